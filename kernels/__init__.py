@@ -1,0 +1,7 @@
+"""Triton kernels, installed as ``specdraft.kernels``.
+
+Each kernel lives in its own module and needs triton; this package itself imports
+nothing, so ``import specdraft.kernels`` works without triton.
+
+  rejection_sampler.rejection_sample  the verify step (see specdraft.decoding.verify)
+"""

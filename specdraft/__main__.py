@@ -1,0 +1,7 @@
+"""``python -m specdraft`` and ``accelerate launch -m specdraft train RECIPE``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

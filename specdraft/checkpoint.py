@@ -1,0 +1,146 @@
+"""Checkpoints that describe themselves, are written then renamed, and resume exactly.
+
+A run folder:
+  RUN/recipe.yaml                      the resolved recipe
+  RUN/checkpoints/step-0000100/        one checkpoint (newest ``keep_last`` are kept)
+      drafter/                         save_pretrained: config.json + model.safetensors
+      optimizer.pt, scheduler.pt       tensors and plain containers only (weights_only=True loads)
+      rng-rank{r}.pt                   every process's RNG streams
+      trainer_state.json               step, data position, world size
+  RUN/drafter/                         the final drafter, at the end of training
+
+Each checkpoint is written into ``.tmp-step-...`` and renamed into place, so a
+crash or a full disk mid-write never damages the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from .errors import SpecdraftError
+
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a folder counts once its state file exists)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+
+
+def find_drafter_dir(path: str | Path) -> Path:
+    """A drafter folder itself, else RUN/drafter, else the newest checkpoint's drafter."""
+    path = Path(path)
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    if (path / "drafter" / "config.json").is_file():
+        return path / "drafter"
+    ckpts = checkpoint_dirs(path)
+    if ckpts:
+        return ckpts[-1] / "drafter"
+    raise SpecdraftError(
+        f"no drafter checkpoint in {path}: expected {path}/drafter or {path}/checkpoints/step-*/. "
+        "Train first (`specdraft train RECIPE`) or point at a run folder that has one."
+    )
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    np_state = np.random.get_state()
+    state = {
+        "python": list(random.getstate()[1]),
+        "python_pos": random.getstate()[2],
+        "numpy_keys": torch.from_numpy(np_state[1].astype("int64")),
+        "numpy_pos": int(np_state[2]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype("uint32"), state["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, scheduler, trainer_state: dict,
+                    keep_last: int) -> Path:
+    """Write RUN/checkpoints/step-N atomically; every rank writes its RNG, rank 0 the rest."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step-{step:07d}"
+    tmp = root / f".tmp-step-{step:07d}"
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        torch.save(_rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(drafter).save_pretrained(tmp / "drafter")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            # Written last: its presence marks the checkpoint complete.
+            (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = checkpoint_dirs(run_dir)
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        raise SpecdraftError(
+            f"could not write checkpoint step {step} ({e.strerror or e}); {kept}. Free disk space "
+            f"in {root} and resume with --resume."
+        ) from e
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for old in checkpoint_dirs(run_dir)[:-keep_last]:
+            shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+    from safetensors.torch import load_file
+
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        weights = load_file(ckpt / "drafter" / "model.safetensors", device="cpu")
+        optim_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+        sched_state = torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=True)
+        rng_file = ckpt / f"rng-rank{accelerator.process_index}.pt"
+        rng = torch.load(rng_file, map_location="cpu", weights_only=True) if rng_file.is_file() else None
+    except Exception as e:  # truncated safetensors, bad pickle, bad JSON: all mean the same to the user
+        raise SpecdraftError(
+            f"checkpoint {ckpt} is corrupt or incomplete ({type(e).__name__}: {e}). Delete that folder to "
+            "resume from the one before it, or start again with --overwrite."
+        ) from e
+    model = accelerator.unwrap_model(drafter)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise SpecdraftError(
+            f"checkpoint {ckpt} does not match this drafter (missing {sorted(trainable & set(missing))[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}); it was trained from a different recipe."
+        )
+    optimizer.load_state_dict(optim_state)
+    scheduler.load_state_dict(sched_state)
+    if rng is not None:
+        _set_rng_state(rng)
+    return state

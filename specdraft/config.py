@@ -1,0 +1,265 @@
+"""Recipes: one YAML file, parsed into typed dataclasses that map one-to-one onto code.
+
+Every section below is a YAML mapping of the same name. ``key.sub=value`` on the
+command line overrides a field (the value is parsed as YAML). Mistakes stop here,
+before anything loads, naming the dotted key and the nearest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SpecdraftError
+
+
+@dataclass
+class TargetConfig:
+    path: str  # local transformers folder or hub id; "toy" = the shipped toy target
+    dtype: str = "bfloat16"
+    # Layers whose *inputs* are tapped (vLLM convention). "eagle3" = (2, N//2, N-3); [] = none.
+    taps: list[int] | str = "eagle3"
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+
+
+@dataclass
+class DataConfig:
+    path: str  # local .json/.jsonl/.parquet file or folder, or a datasets hub id
+    format: str = "auto"  # auto | sharegpt | messages | turns | text
+    split: str = "train"
+    text_field: str = "text"
+    chat_template: str | None = None  # jinja file or inline template; None = the tokenizer's
+    max_length: int = 2048
+    packing: bool = False
+    eval_fraction: float = 0.02
+    max_samples: int | None = None
+    seed: int = 0
+    num_proc: int = 1
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int | None = None  # optimizer steps; or give epochs
+    epochs: float | None = None
+    micro_batch_size: int = 1
+    grad_accumulation: int = 1
+    max_grad_norm: float = 0.5
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end
+    eval_batches: int = 20
+    feature_cache: str | None = None  # offline mode: folder written by `specdraft cache-features`
+    num_workers: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str
+    save_every: int = 500
+    keep_last: int = 2
+
+
+@dataclass
+class TrackingConfig:
+    trackers: list[str] = field(default_factory=lambda: ["none"])  # wandb | tensorboard | none
+    project: str = "specdraft"
+    run_name: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    prompts: str | None = None  # prompt/question file; None = held-out samples of the data
+    num_prompts: int = 16
+    k: int = 5
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    max_new_tokens: int = 64
+    prompt_lookup_baseline: bool = True
+
+
+@dataclass
+class Recipe:
+    target: TargetConfig
+    drafter: Any  # the family's own config dataclass (see specdraft.drafters.FAMILIES)
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    drafter_family: str = ""
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["drafter"] = {"family": self.drafter_family, **dataclasses.asdict(self.drafter)}
+        del out["drafter_family"]
+        return out
+
+
+# -- parsing ------------------------------------------------------------------------------------
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def parse_dataclass(cls: type, data: Any, path: str) -> Any:
+    """Build ``cls`` from a mapping, checking keys and types; errors name the dotted path."""
+    if not isinstance(data, dict):
+        raise SpecdraftError(f"{path or 'recipe'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean '{_join(path, near[0])}'?" if near else f"; valid keys: {', '.join(fields)}"
+            raise SpecdraftError(f"unknown key '{_join(path, key)}'{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        dotted = _join(path, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SpecdraftError(f"missing required key '{dotted}'")
+            continue
+        value, tp = data[name], hints[name]
+        if dataclasses.is_dataclass(tp):
+            value = parse_dataclass(tp, value, dotted)
+        elif isinstance(value, int) and not isinstance(value, bool) and _type_ok(float(value), tp) and not _type_ok(value, tp):
+            value = float(value)
+        elif not _type_ok(value, tp):
+            raise SpecdraftError(f"'{dotted}' must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``a.b=value`` sets raw["a"]["b"] = yaml(value). Unknown keys are caught later by parsing."""
+    for item in overrides:
+        if "=" not in item:
+            raise SpecdraftError(f"override {item!r} must look like key.sub=value (e.g. training.max_steps=100)")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecdraftError(f"override {item!r}: '{part}' is not a section")
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+    return raw
+
+
+def parse_recipe(raw: dict) -> Recipe:
+    from .drafters import get_family
+
+    raw = dict(raw)
+    drafter_raw = raw.get("drafter")
+    if not isinstance(drafter_raw, dict) or "family" not in drafter_raw:
+        raise SpecdraftError("missing required key 'drafter.family' (e.g. eagle3)")
+    drafter_raw = dict(drafter_raw)
+    family = get_family(drafter_raw.pop("family"))
+    raw["drafter"] = parse_dataclass(family.config_cls, drafter_raw, "drafter")
+    hints = typing.get_type_hints(Recipe)
+    hints["drafter"] = Any
+    recipe_fields = {f.name for f in dataclasses.fields(Recipe)} - {"drafter_family"}
+    required = {f.name for f in dataclasses.fields(Recipe) if f.default_factory is dataclasses.MISSING
+                and f.default is dataclasses.MISSING}
+    for key in raw:
+        if key not in recipe_fields:
+            near = difflib.get_close_matches(str(key), list(recipe_fields), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else f"; valid sections: {', '.join(sorted(recipe_fields))}"
+            raise SpecdraftError(f"unknown key '{key}'{hint}")
+    kwargs: dict[str, Any] = {"drafter": raw["drafter"], "drafter_family": family.name}
+    for name in recipe_fields - {"drafter"}:
+        tp = hints[name]
+        if name in raw:
+            kwargs[name] = parse_dataclass(tp, raw[name] or {}, name)
+        elif name in required:
+            raise SpecdraftError(f"missing required section '{name}'")
+    recipe = Recipe(**kwargs)
+    _check_values(recipe)
+    return recipe
+
+
+def _check_values(r: Recipe) -> None:
+    t = r.training
+    if (t.max_steps is None) == (t.epochs is None):
+        raise SpecdraftError("set exactly one of 'training.max_steps' and 'training.epochs'")
+    choices = {
+        "training.mixed_precision": (t.mixed_precision, ("no", "bf16", "fp16")),
+        "optimizer.schedule": (r.optimizer.schedule, ("cosine", "linear", "constant")),
+        "target.dtype": (r.target.dtype, ("bfloat16", "float16", "float32")),
+        "data.format": (r.data.format, ("auto", "sharegpt", "messages", "turns", "text")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise SpecdraftError(f"'{key}' must be one of {', '.join(allowed)}; got {value!r}")
+    for tracker in r.tracking.trackers:
+        if tracker not in ("wandb", "tensorboard", "none"):
+            raise SpecdraftError(f"'tracking.trackers' entries must be wandb, tensorboard or none; got {tracker!r}")
+    if isinstance(r.target.taps, str) and r.target.taps not in ("eagle3", "default"):
+        raise SpecdraftError(f"'target.taps' must be a list of layer indices or 'eagle3'; got {r.target.taps!r}")
+    positive = {
+        "training.micro_batch_size": t.micro_batch_size,
+        "training.grad_accumulation": t.grad_accumulation,
+        "data.max_length": r.data.max_length,
+        "checkpoint.save_every": r.checkpoint.save_every,
+        "checkpoint.keep_last": r.checkpoint.keep_last,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise SpecdraftError(f"'{key}' must be >= 1; got {value}")
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdraftError(f"recipe {path} not found; recipes live in recipes/ (e.g. recipes/toy_eagle3.yaml)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SpecdraftError(f"recipe {path} is not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise SpecdraftError(f"recipe {path} must be a YAML mapping of sections (target, drafter, data, ...)")
+    return parse_recipe(apply_overrides(raw, overrides or []))

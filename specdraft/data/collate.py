@@ -1,0 +1,96 @@
+"""Samples to batches: right padding, or packing several samples into one row.
+
+Batch layout (``specdraft.drafters.base``), all ``[B, T]``: ``input_ids``,
+``attention_mask``, ``loss_mask``, ``position_ids`` and, when packing,
+``seq_ids``. Packing happens here, in the collate function, not as a dataset
+transform: the dataset stays one sample per row (so shuffling and epochs work
+as usual) and each batch of samples is packed into as few rows as fit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpecdraftError
+from ..masks import block_causal_mask
+
+
+def pad_token_id_of(tokenizer) -> int:
+    """The tokenizer's pad id, or its EOS id when it has none (padding is masked out anyway)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise SpecdraftError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token before training.")
+    return pad
+
+
+def attention_mask_4d(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The ``[B, 1, T, T]`` boolean mask both target and drafter use: causal, no padding, and
+    with packing (``seq_ids`` present) block-diagonal so packed samples never see each other."""
+    return block_causal_mask(batch["attention_mask"], batch.get("seq_ids"))
+
+
+def pack(lengths: list[int], max_length: int) -> list[list[int]]:
+    """First-fit: sample indices grouped into rows whose lengths sum to at most ``max_length``."""
+    rows: list[list[int]] = []
+    room: list[int] = []  # free tokens left in each row
+    for i, n in enumerate(lengths):
+        row = next((r for r, free in enumerate(room) if free >= n), None)
+        if row is None:
+            rows.append([])
+            room.append(max_length)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= n
+    return rows
+
+
+class Collator:
+    """``collate_fn`` for a DataLoader over ``build_datasets`` output (``input_ids``, ``loss_mask``)."""
+
+    def __init__(self, pad_token_id: int, max_length: int, packing: bool = False):
+        self.pad_token_id = pad_token_id
+        self.max_length = max_length
+        self.packing = packing
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        docs = [(list(s["input_ids"])[: self.max_length], list(s["loss_mask"])[: self.max_length]) for s in samples]
+        if self.packing:
+            rows = pack([len(ids) for ids, _ in docs], self.max_length)
+        else:
+            rows = [[i] for i in range(len(docs))]
+        width = max(sum(len(docs[i][0]) for i in row) for row in rows)  # pad to the longest row only
+
+        shape = (len(rows), width)
+        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        loss_mask = torch.zeros(shape, dtype=torch.long)
+        position_ids = torch.zeros(shape, dtype=torch.long)
+        seq_ids = torch.full(shape, -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            start = 0
+            for doc, i in enumerate(row):
+                ids, mask = docs[i]
+                span = slice(start, start + len(ids))
+                input_ids[r, span] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[r, span] = 1
+                loss_mask[r, span] = torch.tensor(mask, dtype=torch.long)
+                position_ids[r, span] = torch.arange(len(ids))
+                seq_ids[r, span] = doc
+                # Position t predicts token t+1, so a document's first token would be "predicted"
+                # from the previous document's last one: never put it in the loss.
+                loss_mask[r, start] = 0
+                start += len(ids)
+            # Padding keeps counting positions: a reset to 0 would look like a new document to
+            # kernels that infer packing from position_ids (flash-attention varlen).
+            last = position_ids[r, start - 1] + 1 if start else 0
+            position_ids[r, start:] = torch.arange(width - start) + last
+
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "loss_mask": loss_mask,
+            "position_ids": position_ids,
+        }
+        if self.packing:
+            batch["seq_ids"] = seq_ids
+        return batch

@@ -1,0 +1,120 @@
+"""Reduced draft vocabulary (EAGLE-3): the N most frequent assistant tokens.
+
+Conventions shared with vLLM and SGLang checkpoints:
+  d2t [N] long  offsets, target_id = draft_id + d2t[draft_id]
+  t2d [V] bool  True where the target token is in the draft vocabulary
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import SpecdraftError
+
+
+@dataclass
+class DraftVocab:
+    d2t: torch.Tensor  # [N] long offsets
+    t2d: torch.Tensor  # [V] bool
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[N] long: the target id of each draft id."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    @property
+    def size(self) -> int:
+        return len(self.d2t)
+
+    @classmethod
+    def from_target_ids(cls, target_ids: torch.Tensor, target_vocab_size: int) -> "DraftVocab":
+        """From the sorted target ids kept in the draft vocabulary."""
+        target_ids = torch.sort(target_ids.long()).values
+        t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+        t2d[target_ids] = True
+        return cls(d2t=target_ids - torch.arange(len(target_ids)), t2d=t2d)
+
+
+# -- building the map from data (EAGLE-3) --------------------------------------------------------
+
+
+def count_assistant_tokens(train_dataset, target_vocab_size: int) -> torch.Tensor:
+    """[V] long: how often each token id appears where ``loss_mask`` is 1."""
+    import numpy as np
+    import pyarrow.compute as pc
+    from tqdm.auto import tqdm
+
+    counts = np.zeros(target_vocab_size, dtype=np.int64)
+    batches = train_dataset.with_format("arrow").iter(batch_size=4096)
+    for table in tqdm(batches, total=-(-len(train_dataset) // 4096), desc="counting assistant tokens", leave=False):
+        ids = pc.list_flatten(table["input_ids"]).to_numpy()
+        mask = pc.list_flatten(table["loss_mask"]).to_numpy().astype(bool)
+        ids = ids[mask]
+        if ids.size and (ids.min() < 0 or ids.max() >= target_vocab_size):
+            raise SpecdraftError(
+                f"the data holds token id {int(ids.max())}, outside the target's vocabulary of {target_vocab_size}. "
+                "Tokenize with the target's own tokenizer."
+            )
+        counts += np.bincount(ids, minlength=target_vocab_size)
+    return torch.from_numpy(counts)
+
+
+def top_tokens(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """The ``draft_vocab_size`` most frequent ids, ties (including never-seen ids) broken by lower id."""
+    # A stable sort of -counts keeps equal counts in id order, so if fewer than N distinct
+    # tokens were seen the rest are filled with unseen ids in id order.
+    order = torch.sort(-counts, stable=True).indices
+    return order[:draft_vocab_size]
+
+
+def build_draft_vocab(
+    train_dataset,
+    target_vocab_size: int,
+    draft_vocab_size: int,
+    cache_dir: str | Path | None,
+    cache_key_parts: list[str],
+) -> DraftVocab:
+    """The N most frequent assistant tokens of ``train_dataset`` (columns ``input_ids``, ``loss_mask``).
+
+    Cached as safetensors under ``cache_dir``, keyed by a hash of ``cache_key_parts``
+    (what the data depends on: ``specdraft.data.pipeline.vocab_cache_key_parts``) + V + N,
+    so a map built from other data or another tokenizer is never reused.
+    """
+    if not 0 < draft_vocab_size <= target_vocab_size:
+        raise SpecdraftError(
+            f"draft vocabulary size {draft_vocab_size} must be between 1 and the target vocabulary size "
+            f"{target_vocab_size}. Lower the drafter's draft_vocab_size (or leave it unset for the full vocabulary)."
+        )
+    key = hashlib.sha256(json.dumps([list(cache_key_parts), target_vocab_size, draft_vocab_size]).encode()).hexdigest()
+    path = Path(cache_dir) / f"draft_vocab_{key[:24]}.safetensors" if cache_dir is not None else None
+    if path is not None and path.exists():
+        return load_draft_vocab(path)
+
+    counts = count_assistant_tokens(train_dataset, target_vocab_size)
+    if counts.sum() == 0:
+        raise SpecdraftError("the training data has no assistant (loss-masked) token to build a draft vocabulary from.")
+    vocab = DraftVocab.from_target_ids(top_tokens(counts, draft_vocab_size), target_vocab_size)
+    if path is not None:
+        save_draft_vocab(vocab, path)
+    return vocab
+
+
+def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> None:
+    """``d2t`` / ``t2d`` as safetensors, written to a temporary name first so a crash leaves no half file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_draft_vocab(path: str | Path) -> DraftVocab:
+    tensors = load_file(str(path))
+    return DraftVocab(d2t=tensors["d2t"].long(), t2d=tensors["t2d"].bool())

@@ -1,0 +1,277 @@
+"""The verify step of speculative decoding: which drafts to keep, and the next token.
+
+Layout (as in vLLM's rejection sampler): the drafts of all rows are concatenated
+into one flat list, and ``cu_num_draft_tokens`` (inclusive cumsum of per-row
+draft counts) says where each row ends, so rows may have different numbers of
+drafts, including zero. Row r owns flat positions [cu[r-1], cu[r]).
+
+Exact speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2),
+per row, walking its drafts x_1..x_k in order:
+  accept x_i  if  u_i < p_i(x_i) / q_i(x_i)        (i.e. with probability min(1, p/q))
+  on the first rejection, emit one token from norm(max(0, p_i - q_i)) and stop;
+  if all k are accepted, emit the bonus token (already sampled from p_{k+1}).
+The emitted tokens are then distributed exactly as if sampled from p.
+Greedy rows accept while x_i == argmax p_i, and correct with argmax p_i.
+
+``verify_reference`` is the spec, in plain torch. ``verify_triton`` runs the same
+math in one Triton kernel (``specdraft.kernels.rejection_sampler``) and must agree
+with it token for token given the same random draws. ``verify`` picks the kernel on
+CUDA tensors and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+PADDING_TOKEN_ID = -1  # fills output slots after a row's last emitted token
+
+
+def verify(
+    draft_token_ids: torch.Tensor,  # [num_tokens] long: drafts of all rows, concatenated
+    cu_num_draft_tokens: torch.Tensor,  # [batch] long: inclusive cumsum of per-row draft counts
+    draft_probs: torch.Tensor | None,  # [num_tokens, V] q at each draft position; None = one-hot q
+    target_probs: torch.Tensor,  # [num_tokens, V] p at each draft position (already warped)
+    bonus_token_ids: torch.Tensor,  # [batch] long: sampled from p after each row's last draft
+    uniforms: torch.Tensor,  # [num_tokens] float32 U[0, 1)
+    exponentials: torch.Tensor,  # [batch, V] float32 Exp(1) > 0
+    greedy: torch.Tensor,  # [batch] bool
+    max_spec_len: int,
+    lenience: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (output_token_ids [batch, max_spec_len + 1] padded with -1, num_accepted [batch]).
+
+    Each output row is: the accepted drafts, then one correction or bonus token,
+    then -1. ``num_accepted`` counts accepted drafts only (so a row emits
+    num_accepted + 1 tokens). The Triton kernel runs on CUDA tensors, the
+    pure-torch reference everywhere else.
+    """
+    fn = verify_triton if target_probs.is_cuda else verify_reference
+    return fn(
+        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+        uniforms, exponentials, greedy, max_spec_len, lenience,
+    )  # fmt: skip
+
+
+def verify_reference(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    uniforms: torch.Tensor,
+    exponentials: torch.Tensor,
+    greedy: torch.Tensor,
+    max_spec_len: int,
+    lenience: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch verify: the specification the kernel is tested against. See ``verify``."""
+    num_drafts = _check_inputs(
+        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+        uniforms, exponentials, greedy, max_spec_len, lenience,
+    )  # fmt: skip
+    batch = cu_num_draft_tokens.shape[0]
+    num_tokens, vocab_size = target_probs.shape
+    device = target_probs.device
+    starts = cu_num_draft_tokens - num_drafts
+    row_of = torch.repeat_interleave(torch.arange(batch, device=device), num_drafts)  # [num_tokens]
+    pos_of = torch.arange(num_tokens, device=device) - starts[row_of]  # position within its row
+
+    # 1. The accept test at every draft position. u < p(x) / q(x) is written as
+    #    u * q(x) < p(x): no division, and q(x) = 0 accepts iff p(x) > 0 (ratio inf).
+    #    lenience l < 1 is lossy (Leviathan et al. 2023, App. A.5): accept iff u < p(x) / (l q(x)).
+    #    Everything is float32, in this exact order, so the kernel can match it bit for bit.
+    drafts = draft_token_ids.long()
+    p_x = target_probs.gather(1, drafts[:, None]).squeeze(1).float()
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)  # deterministic drafts: q is one-hot on the draft
+    else:
+        q_x = draft_probs.gather(1, drafts[:, None]).squeeze(1).float()
+    lenience32 = torch.tensor(lenience, dtype=torch.float32, device=device)
+    accept = uniforms.float() * (lenience32 * q_x) < p_x
+    if greedy.any():
+        accept = torch.where(greedy[row_of], drafts == target_probs.argmax(-1), accept)
+
+    # 2. A row keeps its drafts up to (not including) its first rejection.
+    first_rejection = torch.where(accept, num_drafts[row_of], pos_of)
+    num_accepted = num_drafts.clone().scatter_reduce_(0, row_of, first_rejection, reduce="amin")
+
+    # 3. Accepted drafts, then one extra token, then padding.
+    output = torch.full((batch, max_spec_len + 1), PADDING_TOKEN_ID, dtype=torch.long, device=device)
+    kept = pos_of < num_accepted[row_of]
+    output[row_of[kept], pos_of[kept]] = drafts[kept]
+
+    extra = bonus_token_ids.long().clone()  # rows that accepted everything get the bonus
+    rejected_rows = (num_accepted < num_drafts).nonzero().squeeze(1)
+    if rejected_rows.numel() > 0:
+        rejected_at = (starts + num_accepted)[rejected_rows]  # flat index of each row's rejected draft
+        p = target_probs[rejected_at].float()
+        if draft_probs is None:
+            q = torch.nn.functional.one_hot(drafts[rejected_at], vocab_size).float()
+        else:
+            q = draft_probs[rejected_at].float()
+        recovered = recover_token(p, q, exponentials[rejected_rows].float())
+        extra[rejected_rows] = torch.where(greedy[rejected_rows], p.argmax(-1), recovered)
+    output[torch.arange(batch, device=device), num_accepted] = extra
+    return output, num_accepted
+
+
+def recover_token(p: torch.Tensor, q: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """The token emitted at a rejection: a draw from norm(max(0, p - q)) per row.
+
+    Exponential race: argmax_x max(0, p(x) - q(x)) / e_x with e ~ Exp(1) samples x
+    with probability proportional to the residual, without normalising it.
+    If the residual is all zero (only rounding can cause a rejection then) the
+    race is run over p instead. Ties go to the lowest token id (torch.argmax).
+    """
+    scores = p / exponentials
+    fallback = p / exponentials
+    return torch.where(scores.amax(-1) > 0, scores.argmax(-1), fallback.argmax(-1))
+
+
+def verify_triton(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    uniforms: torch.Tensor,
+    exponentials: torch.Tensor,
+    greedy: torch.Tensor,
+    max_spec_len: int,
+    lenience: float = 1.0,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify with the Triton kernel (one program per row). Same contract as ``verify``.
+
+    ``block_v`` is how many vocabulary entries a program reads per step (a power
+    of two; default min(1024, next_pow2(V))). Runs on CUDA tensors, or on CPU
+    under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported).
+    """
+    _check_inputs(
+        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+        uniforms, exponentials, greedy, max_spec_len, lenience,
+    )  # fmt: skip
+    if not target_probs.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SpecdraftError(
+            "verify_triton needs CUDA tensors (on CPU it only runs under the Triton interpreter, "
+            "TRITON_INTERPRET=1 set before triton is imported); use verify() or verify_reference() on CPU."
+        )
+    try:
+        from specdraft.kernels.rejection_sampler import rejection_sample
+    except ImportError as err:
+        raise SpecdraftError(
+            f"the Triton verify kernel needs triton ({err}); install it with `pip install 'specdraft[triton]'` "
+            "or use verify_reference()."
+        ) from err
+    return rejection_sample(
+        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+        uniforms, exponentials, greedy, max_spec_len, lenience, block_v=block_v,
+    )  # fmt: skip
+
+
+def _check_inputs(
+    draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+    uniforms, exponentials, greedy, max_spec_len, lenience,
+) -> torch.Tensor:  # fmt: skip
+    """Shape/range checks shared by both implementations; returns per-row draft counts.
+
+    A bad count or token id would make the kernel read or write out of bounds,
+    so these are checked on the host (a few tiny syncs per step).
+    """
+    if target_probs.dim() != 2:
+        raise SpecdraftError(
+            f"target_probs must be [num_tokens, vocab], got shape {tuple(target_probs.shape)}; "
+            "flatten the per-row draft positions into one list (see cu_num_draft_tokens)."
+        )
+    num_tokens, vocab_size = target_probs.shape
+    batch = cu_num_draft_tokens.shape[0] if cu_num_draft_tokens.dim() == 1 else -1
+    expected = {
+        "draft_token_ids": (draft_token_ids, (num_tokens,)),
+        "cu_num_draft_tokens": (cu_num_draft_tokens, (batch,)),
+        "bonus_token_ids": (bonus_token_ids, (batch,)),
+        "uniforms": (uniforms, (num_tokens,)),
+        "exponentials": (exponentials, (batch, vocab_size)),
+        "greedy": (greedy, (batch,)),
+    }
+    if draft_probs is not None:
+        expected["draft_probs"] = (draft_probs, (num_tokens, vocab_size))
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape or batch < 0:
+            raise SpecdraftError(
+                f"verify: {name} has shape {tuple(tensor.shape)}, expected {shape} "
+                f"(num_tokens={num_tokens} from target_probs, batch from the 1-D cu_num_draft_tokens); "
+                "pass bonus_token_ids as [batch], not [batch, 1]."
+            )
+        if tensor.device != target_probs.device:
+            raise SpecdraftError(f"verify: {name} is on {tensor.device} but target_probs on {target_probs.device}; move them together.")
+    if greedy.dtype != torch.bool:
+        raise SpecdraftError(f"verify: greedy must be a bool tensor, got {greedy.dtype}; pass `temperatures == 0`.")
+    if not (0.0 < lenience <= 1.0):
+        raise SpecdraftError(f"verify: lenience must be in (0, 1], got {lenience}; use 1.0 for lossless verification.")
+    if max_spec_len < 0:
+        raise SpecdraftError(f"verify: max_spec_len must be >= 0, got {max_spec_len}.")
+
+    num_drafts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
+    if batch > 0:
+        if int(cu_num_draft_tokens[-1]) != num_tokens or int(num_drafts.min()) < 0:
+            raise SpecdraftError(
+                f"verify: cu_num_draft_tokens={cu_num_draft_tokens.tolist()} must be a non-decreasing inclusive "
+                f"cumsum of per-row draft counts ending at num_tokens={num_tokens}; build it with counts.cumsum(0)."
+            )
+        if int(num_drafts.max()) > max_spec_len:
+            raise SpecdraftError(
+                f"verify: a row has {int(num_drafts.max())} drafts but max_spec_len={max_spec_len}; "
+                "raise max_spec_len to the largest per-row draft count."
+            )
+    elif num_tokens != 0:
+        raise SpecdraftError(f"verify: batch is empty but there are {num_tokens} draft tokens.")
+    if num_tokens > 0 and not (0 <= int(draft_token_ids.min()) and int(draft_token_ids.max()) < vocab_size):
+        raise SpecdraftError(
+            f"verify: draft token ids must be in [0, {vocab_size}); map draft-vocabulary ids to target ids first (d2t)."
+        )
+    return num_drafts
+
+
+def expected_acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """alpha predicted: the chance a draft x ~ q is accepted against p, sum_x min(p(x), q(x)).
+
+    Leviathan et al. 2023, Sec. 3.3 (beta = sum min(p, q) = 1 - D_LK(p, q)); Chen et al.
+    2023. Reduces the last dim (vocab); p and q must be warped the same way.
+    """
+    return torch.minimum(p.float(), q.float()).sum(-1)
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Expected tokens emitted per verify step with k drafts, i.i.d. acceptance alpha:
+    (1 - alpha^(k+1)) / (1 - alpha)  (Leviathan et al. 2023, Eq. 1)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def typical_acceptance(
+    draft_token_ids: torch.Tensor,  # [..., K] candidate continuations
+    target_probs: torch.Tensor,  # [..., K, V] p at each candidate position
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> torch.Tensor:
+    """LOSSY: Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1). Returns the
+    number of leading drafts accepted, [...].
+
+    Accept x while p(x) > min(epsilon, delta * exp(-H(p))): a hard floor epsilon, and
+    an entropy-scaled one so that flat (uncertain) p accepts more. This does NOT
+    preserve the target distribution. Defaults are Medusa's posterior_threshold=0.09
+    and posterior_alpha=0.3 (= sqrt(0.09)). H uses 0 log 0 = 0 (Medusa adds 1e-5 in the log).
+    """
+    if epsilon < 0 or delta < 0:
+        raise SpecdraftError(f"typical_acceptance: epsilon and delta must be >= 0, got {epsilon}, {delta}.")
+    p = target_probs.float()
+    p_x = p.gather(-1, draft_token_ids.long().unsqueeze(-1)).squeeze(-1)
+    entropy = torch.special.entr(p).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    accept = p_x > threshold
+    return accept.long().cumprod(-1).sum(-1)

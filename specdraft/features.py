@@ -1,0 +1,158 @@
+"""Offline mode: run the target once over the data and keep its tapped features on disk.
+
+``specdraft cache-features RECIPE`` writes ``training.feature_cache``:
+  manifest.json               key (data + target + taps + max_length), shard size, dims
+  train-00000.safetensors     for each sample i: "{i}.aux" [T, n_taps*H], "{i}.last" [T, H]
+  eval-00000.safetensors      the same for the eval split
+
+Each shard is written then renamed, so an interrupted run resumes at the first
+missing shard. Logits are not stored (they are V wide); the loop recomputes
+them with the target's LM head from ``last``, which gives the same numbers.
+Samples are run one at a time (no padding), so a cached feature is bit-identical
+to an online forward of that sample alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import Recipe
+from .drafters.base import TargetOutputs
+from .errors import SpecdraftError
+
+SHARD_SIZE = 256
+
+
+def cache_key(recipe: Recipe, num_layers: int) -> str:
+    parts = [recipe.data.path, recipe.data.format, recipe.data.max_length, recipe.data.eval_fraction,
+             recipe.data.max_samples, recipe.data.seed, recipe.target.path, recipe.target.dtype,
+             str(recipe.target.taps), num_layers]
+    path = Path(recipe.data.path)
+    if path.is_file():
+        parts.append(hashlib.sha256(path.read_bytes()).hexdigest())
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _bytes_needed(datasets: dict, target) -> int:
+    width = (len(target.taps) + 1) * target.hidden_size
+    itemsize = target.lm_head.weight.element_size()
+    return sum(len(ids) for ds in datasets.values() for ids in ds["input_ids"]) * width * itemsize
+
+
+def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
+    """Write the feature cache for the recipe (resuming a partial one)."""
+    from tqdm.auto import tqdm
+
+    from .data.pipeline import build_datasets
+    from .train import load_target
+
+    if not recipe.training.feature_cache:
+        raise SpecdraftError("set training.feature_cache to the folder to write (e.g. training.feature_cache=cache/feat)")
+    out = Path(recipe.training.feature_cache)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(recipe, device)
+    train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
+    splits = {"train": train_ds, "eval": eval_ds}
+    key = cache_key(recipe, target.num_layers)
+    manifest = {"key": key, "shard_size": SHARD_SIZE, "taps": target.taps, "hidden_size": target.hidden_size,
+                "sizes": {name: len(ds) for name, ds in splits.items()}}
+    manifest_file = out / "manifest.json"
+    if manifest_file.is_file() and json.loads(manifest_file.read_text())["key"] != key:
+        raise SpecdraftError(f"{out} holds features of a different recipe/data/target; choose another "
+                             "training.feature_cache folder or delete it")
+    out.mkdir(parents=True, exist_ok=True)
+    need = _bytes_needed(splits, target)
+    free = shutil.disk_usage(out).free
+    print(f"feature cache: {need / 2**30:.2f} GiB needed in {out} ({free / 2**30:.1f} GiB free)")
+    if need > free:
+        raise SpecdraftError(f"not enough disk for the feature cache: need {need / 2**30:.2f} GiB, "
+                             f"{free / 2**30:.2f} GiB free in {out}; free space or use online mode "
+                             "(unset training.feature_cache)")
+    manifest_file.write_text(json.dumps(manifest, indent=2))
+    for name, ds in splits.items():
+        for start in tqdm(range(0, len(ds), SHARD_SIZE), desc=f"cache {name}", disable=not show_progress):
+            shard = out / f"{name}-{start // SHARD_SIZE:05d}.safetensors"
+            if shard.is_file():
+                continue  # resume: finished shards are complete (written then renamed)
+            tensors = {}
+            for i in range(start, min(start + SHARD_SIZE, len(ds))):
+                ids = torch.tensor(ds[i]["input_ids"], device=device)[None]
+                t_out = target(ids)
+                tensors[f"{i}.last"] = t_out.last_hidden[0].cpu().contiguous()
+                if t_out.aux_hidden is not None:
+                    tensors[f"{i}.aux"] = t_out.aux_hidden[0].cpu().contiguous()
+            tmp = shard.with_suffix(".tmp")
+            save_file(tensors, tmp)
+            tmp.rename(shard)
+    return out
+
+
+class FeatureCache:
+    """Reads cached features back into ``TargetOutputs`` for a batch (padding layout)."""
+
+    def __init__(self, folder: Path, target, split: str = "train"):
+        self.folder, self.target, self.split = Path(folder), target, split
+        self.manifest = json.loads((self.folder / "manifest.json").read_text())
+        self._open: dict[int, object] = {}
+
+    def _shard(self, i: int):
+        n = i // self.manifest["shard_size"]
+        if n not in self._open:
+            self._open[n] = safe_open(self.folder / f"{self.split}-{n:05d}.safetensors", "pt", device="cpu")
+        return self._open[n]
+
+    def lookup(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
+        if "seq_ids" in batch:
+            raise SpecdraftError("the feature cache works with padding only; set data.packing=false")
+        B, T = batch["input_ids"].shape
+        device = batch["input_ids"].device
+        last, aux = [], []
+        for i in batch["sample_index"].tolist():
+            f = self._shard(i)
+            last.append(f.get_tensor(f"{i}.last"))
+            if self.target.taps:
+                aux.append(f.get_tensor(f"{i}.aux"))
+
+        def pad(xs):
+            out = xs[0].new_zeros(B, T, xs[0].shape[-1])
+            for b, x in enumerate(xs):
+                out[b, : len(x)] = x
+            return out.to(device)
+
+        last_hidden = pad(last)
+        with torch.no_grad():
+            logits = self.target.lm_head(last_hidden).float()
+        return TargetOutputs(logits=logits, last_hidden=last_hidden, aux_hidden=pad(aux) if aux else None)
+
+
+def open_feature_caches(recipe: Recipe, target) -> dict[str, FeatureCache] | None:
+    """The training loop's view of the cache per split, or None in online mode."""
+    if not recipe.training.feature_cache:
+        return None
+    folder = Path(recipe.training.feature_cache)
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        raise SpecdraftError(f"no feature cache in {folder}; run `specdraft cache-features RECIPE` first")
+    if json.loads(manifest.read_text())["key"] != cache_key(recipe, target.num_layers):
+        raise SpecdraftError(f"the feature cache in {folder} was built from a different recipe/data/target; "
+                             "rebuild it with `specdraft cache-features RECIPE`")
+    return {split: FeatureCache(folder, target, split) for split in ("train", "eval")}
+
+
+def with_sample_index(collate):
+    """Wrap a collate_fn so each batch carries its samples' dataset indices (for cache lookups)."""
+
+    def wrapped(samples):
+        index = torch.tensor([s.pop("sample_index") for s in samples])
+        batch = collate(samples)
+        batch["sample_index"] = index
+        return batch
+
+    return wrapped

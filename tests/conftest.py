@@ -1,0 +1,12 @@
+import os
+
+# Must happen before anything imports triton: run kernels in the interpreter on CPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
