@@ -55,7 +55,7 @@ def _recover_token(
             q = tl.load(q_row_ptr + offsets, mask=in_vocab, other=0.0).to(tl.float32)
         e = tl.load(e_row_ptr + offsets, mask=in_vocab, other=1.0)
         # div_rn: IEEE round-to-nearest division, so the GPU result equals torch's `/`
-        # bit for bit (a plain `/` may lower to an approximate divide).
+        # bit for bit (a plain `/` lowers to the approximate div.full.f32 on NVIDIA).
         score = tl.where(in_vocab, tl.div_rn(tl.maximum(p - q, 0.0), e), -1.0)
         chunk_score, chunk_idx = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         better = chunk_score > best_score
@@ -173,8 +173,8 @@ def rejection_sample(
         return output, num_accepted
     if block_v is None:
         block_v = min(1024, triton.next_power_of_2(vocab_size))
-    if block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two (e.g. 256 or 1024), got {block_v}")
 
     target_probs = target_probs.contiguous()
     rejection_sample_kernel[(batch,)](
@@ -195,5 +195,6 @@ def rejection_sample(
         NO_DRAFT_PROBS=draft_probs is None,
         BLOCK_V=block_v,
         num_warps=4,
+        enable_fp_fusion=False,  # no a * b + c -> fma contraction: keep torch's float32 rounding
     )
     return output, num_accepted

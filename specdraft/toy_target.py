@@ -15,7 +15,7 @@ The recipe, top to bottom:
      class and method ("Write the function `f` in `x.py`" -> its source), so the
      chat template means something and answers end with `<|end|>`;
   4. pack the shuffled samples into fixed-length rows and train a Llama
-     (GQA, tied embeddings, bf16 autocast, AdamW, warmup + cosine);
+     (GQA, tied embeddings, bf16 autocast, AdamW, warmup-stable-decay lr);
   5. save a normal transformers folder in bf16, then reload it and measure
      held-out loss and how often greedy continuations fall into loops.
 """
@@ -202,24 +202,25 @@ class ToyRecipe:
     """Everything that shapes the toy target. The CLI exposes each field as a flag."""
 
     vocab_size: int = 2048
-    hidden_size: int = 256
+    hidden_size: int = 192
     num_layers: int = 8  # >= 7 so EAGLE-3 taps (2, N//2, N-3) are distinct layers
-    num_heads: int = 8
+    num_heads: int = 6
     num_kv_heads: int = 2  # GQA: smaller KV cache, fewer params
     intermediate_size: int = 512
     max_position_embeddings: int = 1024
     seq_len: int = 512
     batch_size: int = 8
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
     warmup_steps: int = 100
+    decay_fraction: float = 0.25  # WSD: the last quarter of the steps anneals the lr
     weight_decay: float = 0.1
     chat_fraction: float = 0.5  # share of whole files rendered as 'write the module' chats
     heldout_percent: float = 5.0
     max_files: int = 0  # 0 = all; tests use a handful
     eval_prompts: int = 16  # held-out prompts of each kind for the loop measure
     eval_new_tokens: int = 128
-    threads: int = 2
+    threads: int = 1  # the build shares small machines; 1 thread degrades gracefully
 
 
 def make_model(recipe: ToyRecipe, tokenizer):
@@ -250,17 +251,38 @@ def packed_rows(token_lists: list[list[int]], seq_len: int, rng: random.Random) 
     return flat[: rows * seq_len].view(rows, seq_len)
 
 
-def lr_at(progress: float, step: int, recipe: ToyRecipe) -> float:
-    """Linear warmup, then cosine from lr down to min_lr_ratio * lr at progress = 1."""
+def lr_at(step: int, total_steps: int | None, recipe: ToyRecipe) -> float:
+    """Warmup-stable-decay (MiniCPM, Hu et al. 2024, sec. 4): linear warmup, constant lr,
+    then a linear decay to min_lr_ratio * lr over the last decay_fraction of the steps.
+    Until the decay begins the lr does not depend on the run length, so a run can be
+    bounded by wall time and still be replayed exactly with --steps."""
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
-    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+    if total_steps is None:
+        return recipe.lr
+    decay_start = decay_start_step(total_steps, recipe)
+    if step < decay_start:
+        return recipe.lr
+    done = (step - decay_start) / max(total_steps - decay_start, 1)
+    return recipe.lr * (1 - (1 - recipe.min_lr_ratio) * done)
+
+
+def decay_start_step(total_steps: int, recipe: ToyRecipe) -> int:
+    return total_steps - round(total_steps * recipe.decay_fraction)
+
+
+def total_steps_from(step: int, recipe: ToyRecipe) -> int:
+    """The smallest run length whose decay starts at or after `step` (for --minutes)."""
+    total = step
+    while decay_start_step(total, recipe) < step:
+        total += 1
+    return total
 
 
 def train(model, token_lists, recipe: ToyRecipe, *, steps: int | None, minutes: float | None, seed: int, log):
-    """AdamW on packed rows. With `steps` the run is deterministic; with `minutes` the
-    schedule follows wall time, and the step count reached is logged so `--steps` can replay it."""
+    """AdamW on packed rows, deterministic given seed and steps. With `minutes`, the
+    stable phase runs until (1 - decay_fraction) of the time is used, then the step
+    count is fixed; `--steps <logged steps>` replays the same schedule."""
     rng = random.Random(seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]  # no decay on norms
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -270,22 +292,23 @@ def train(model, token_lists, recipe: ToyRecipe, *, steps: int | None, minutes: 
         betas=(0.9, 0.95),
     )
     rows, cursor, epoch = packed_rows(token_lists, recipe.seq_len, rng), 0, 0
-    budget = minutes * 60 if minutes else None
+    total_steps = steps
     start, step, smooth = time.time(), 0, None
-    bar = tqdm(total=steps, desc="toy-target", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, desc="toy-target", unit="step", dynamic_ncols=True)
     model.train()
-    while True:
-        elapsed = time.time() - start
-        if (steps is not None and step >= steps) or (budget is not None and elapsed >= budget):
-            break
+    while total_steps is None or step < total_steps:
+        if total_steps is None and time.time() - start >= (1 - recipe.decay_fraction) * minutes * 60:
+            total_steps = total_steps_from(step, recipe)
+            bar.total = total_steps
+            log(f"step {step}: {minutes} min budget -> {total_steps} steps (replay with --steps {total_steps})")
         if cursor + recipe.batch_size > len(rows):  # new epoch: reshuffle and repack
             rows, cursor, epoch = packed_rows(token_lists, recipe.seq_len, rng), 0, epoch + 1
         batch = rows[cursor : cursor + recipe.batch_size]
         cursor += recipe.batch_size
 
-        progress = step / steps if steps is not None else elapsed / budget
+        lr = lr_at(step, total_steps, recipe)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(progress, step, recipe)
+            group["lr"] = lr
         with torch.autocast("cpu" if batch.device.type == "cpu" else "cuda", dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -299,7 +322,7 @@ def train(model, token_lists, recipe: ToyRecipe, *, steps: int | None, minutes: 
         bar.update(1)
         bar.set_postfix(loss=f"{smooth:.3f}", tok_s=f"{tokens_per_s:.0f}", epoch=epoch)
         if step % 100 == 0:
-            log(f"step {step} loss {smooth:.4f} lr {group['lr']:.2e} tok/s {tokens_per_s:.0f} "
+            log(f"step {step} loss {smooth:.4f} lr {lr:.2e} tok/s {tokens_per_s:.0f} "
                 f"epoch {epoch} elapsed {time.time() - start:.0f}s")
     bar.close()
     return {"steps": step, "epochs": epoch + cursor / max(len(rows), 1), "tokens": step * recipe.batch_size *

@@ -120,6 +120,17 @@ class StopRequested:
             signal.signal(sig, old)
 
 
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """``{"optimizer.lr": 1e-4, ...}``: trackers (tensorboard hparams) want flat scalars."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
 def _mean_metrics(history: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     keys = history[0].keys()
     return {k: float(torch.stack([h[k].float() for h in history]).mean()) for k in keys}
@@ -185,14 +196,14 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     state = RunState()
     if resume:
         ckpt = checkpoint_dirs(run_dir)[-1]
-        state = RunState(**load_checkpoint(accelerator, ckpt, step_module, optimizer, scheduler)["run"])
+        state = RunState(**load_checkpoint(accelerator, ckpt, drafter, optimizer, scheduler)["run"])
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     if trackers:
         init_kwargs = {"wandb": {"name": recipe.tracking.run_name, "dir": os.environ.get("WANDB_DIR", str(run_dir))}}
-        accelerator.init_trackers(recipe.tracking.project, config=recipe.to_dict(), init_kwargs=init_kwargs)
+        accelerator.init_trackers(recipe.tracking.project, config=flat_config(recipe.to_dict()), init_kwargs=init_kwargs)
 
     def target_outputs(batch, split="train"):
         return features[split].lookup(batch) if features is not None else target.forward_batch(batch)

@@ -1,6 +1,9 @@
 """verify: pinned hand-worked cases, and the Triton kernel == the torch reference, token for token."""
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -163,7 +166,8 @@ def make_inputs(seed, counts, vocab, mode, with_draft_probs, dtype=torch.float32
     exps = torch.empty(batch, vocab).exponential_(generator=g)
     exps[0, vocab - 1] = 1e-30  # let the race's winner land on the edge ids too
     exps[-1, 0] = 1e-30
-    return drafts, counts.cumsum(0), q.to(dtype) if with_draft_probs else None, p.to(dtype), bonus, uniforms, exps, greedy
+    draft_probs = q.to(dtype) if with_draft_probs else None
+    return drafts, counts.cumsum(0), draft_probs, p.to(dtype), bonus, uniforms, exps, greedy
 
 
 COUNTS = [[1], [5], [3, 0, 2, 1], [0, 4], [2, 5, 1, 3], [4, 4]]
@@ -218,7 +222,7 @@ def test_kernel_ties_across_vocab_chunks_go_to_lowest_id(greedy):
     p[0, 3] = p[0, 35] = 0.25
     q = torch.full((1, vocab), 1.0 / vocab)
     args = (torch.tensor([10]), torch.tensor([1]), q, p, torch.tensor([0]), torch.tensor([0.99]),
-            torch.ones(1, vocab), torch.tensor([greedy]))  # fmt: skip
+            torch.ones(1, vocab), torch.tensor([greedy]))
     for out, n in (verify_reference(*args, max_spec_len=1), verify_triton(*args, max_spec_len=1, block_v=16)):
         assert out.tolist() == [[3, -1]] and n.tolist() == [0]
 
@@ -246,6 +250,36 @@ def test_accept_test_rounds_like_the_reference(lenience):
     assert float64_accepts.any()
 
 
+COMPILE_FOR_CUDA = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specdraft.kernels.rejection_sampler import rejection_sample_kernel
+
+types = {"lenience": "fp32", "vocab_size": "i32", "output_stride": "i32", "greedy_ptr": "*i1",
+         "draft_probs_ptr": "*fp32", "target_probs_ptr": "*bf16", "uniforms_ptr": "*fp32", "exponentials_ptr": "*fp32"}
+for no_draft_probs in (False, True):
+    signature = {name: types.get(name, "constexpr" if name.isupper() else "*i64")
+                 for name in rejection_sample_kernel.arg_names}
+    source = ASTSource(rejection_sample_kernel, signature,
+                       constexprs={"NO_DRAFT_PROBS": no_draft_probs, "BLOCK_V": 1024})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 80, 32),
+                            options={"num_warps": 4, "enable_fp_fusion": False})
+    ptx = kernel.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, "inexact division"
+    assert "fma.rn.f32" not in ptx, "fused multiply-add changes rounding"
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_cuda_with_exact_float_math(tmp_path):
+    """The interpreter is lenient; compile the real sm_80 binary (no GPU needed) and check
+    that its float math is the reference's: IEEE division, no FMA contraction."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_CUDA], env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- input errors
 
 
@@ -256,9 +290,11 @@ def test_bad_inputs_raise_clear_errors():
     ok = dict(
         draft_token_ids=drafts, cu_num_draft_tokens=cu, draft_probs=q, target_probs=p,
         bonus_token_ids=bonus, uniforms=uniforms, exponentials=exps, greedy=greedy, max_spec_len=2,
-    )  # fmt: skip
+    )
     bad_cases = [
-        (dict(bonus_token_ids=bonus[:, None]), "not \\[batch, 1\\]"),
+        (dict(bonus_token_ids=bonus[:, None]), "bonus_token_ids has shape \\(2, 1\\), expected \\(2,\\)"),
+        (dict(draft_token_ids=drafts.float()), "integer"),
+        (dict(cu_num_draft_tokens=cu[:, None]), "1-D"),
         (dict(max_spec_len=1), "raise max_spec_len"),
         (dict(lenience=0.0), "lenience must be in \\(0, 1\\]"),
         (dict(lenience=1.5), "lenience must be in \\(0, 1\\]"),

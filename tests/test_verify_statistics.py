@@ -44,7 +44,7 @@ def run_steps(ps, qs, num_steps, g, lenience=1.0, deterministic_draft=None):
         drafts, cu, draft_probs, target_probs, bonus,
         draw_uniforms(num_steps * k, g), draw_exponentials(num_steps, VOCAB, g),
         torch.zeros(num_steps, dtype=torch.bool), k, lenience,
-    )  # fmt: skip
+    )
 
 
 def histogram(tokens):

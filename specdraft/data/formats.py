@@ -50,6 +50,8 @@ def load_raw(path: str, split: str = "train") -> datasets.Dataset:
                     f"cannot read {path!r}: data files must be {' / '.join(FILE_BUILDERS)}. "
                     "Convert it, or point data.path at a folder or hub dataset."
                 )
+            if _has_no_records(local):  # datasets would fail with a bare StopIteration / a split error
+                raise SpecdraftError(f"data file {path!r} is empty. Point data.path at a file with records.")
             dataset = datasets.load_dataset(builder, data_files=str(local), split="train")
         elif local.is_dir():
             # datasets' folder loader maps file names (train.jsonl, test-*.parquet, ...) to splits.
@@ -69,6 +71,18 @@ def load_raw(path: str, split: str = "train") -> datasets.Dataset:
     if len(dataset) == 0:
         raise SpecdraftError(f"data {path!r} (split {split!r}) has no records. Point data.path at a non-empty dataset.")
     return dataset
+
+
+def _has_no_records(path: Path) -> bool:
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    with open(path, "rb") as f:  # JSON: blank if nothing but whitespace
+        for chunk in iter(lambda: f.read(1 << 16), b""):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _looks_like_local_path(path: str) -> bool:

@@ -1,0 +1,1 @@
+"""Decoding: sampling (``sampling``), the verify step (``verify``) and the speculative decoder."""

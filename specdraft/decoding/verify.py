@@ -48,12 +48,16 @@ def verify(
     then -1. ``num_accepted`` counts accepted drafts only (so a row emits
     num_accepted + 1 tokens). The Triton kernel runs on CUDA tensors, the
     pure-torch reference everywhere else.
+
+    lenience < 1 is LOSSY: accept while u < p / (lenience * q), correction still from
+    norm(max(0, p - q)). A position then emits min(q, p / l) + (1 - sum min(q, p / l)) *
+    norm(max(0, p - q)) instead of p (checked in tests/test_verify_statistics.py).
     """
     fn = verify_triton if target_probs.is_cuda else verify_reference
     return fn(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
         uniforms, exponentials, greedy, max_spec_len, lenience,
-    )  # fmt: skip
+    )
 
 
 def verify_reference(
@@ -72,7 +76,7 @@ def verify_reference(
     num_drafts = _check_inputs(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
         uniforms, exponentials, greedy, max_spec_len, lenience,
-    )  # fmt: skip
+    )
     batch = cu_num_draft_tokens.shape[0]
     num_tokens, vocab_size = target_probs.shape
     device = target_probs.device
@@ -82,7 +86,7 @@ def verify_reference(
 
     # 1. The accept test at every draft position. u < p(x) / q(x) is written as
     #    u * q(x) < p(x): no division, and q(x) = 0 accepts iff p(x) > 0 (ratio inf).
-    #    lenience l < 1 is lossy (Leviathan et al. 2023, App. A.5): accept iff u < p(x) / (l q(x)).
+    #    lenience l < 1 is lossy (Leviathan et al. 2023, appendix "Lenience"): accept iff u < p(x) / (l q(x)).
     #    Everything is float32, in this exact order, so the kernel can match it bit for bit.
     drafts = draft_token_ids.long()
     p_x = target_probs.gather(1, drafts[:, None]).squeeze(1).float()
@@ -124,10 +128,11 @@ def recover_token(p: torch.Tensor, q: torch.Tensor, exponentials: torch.Tensor) 
 
     Exponential race: argmax_x max(0, p(x) - q(x)) / e_x with e ~ Exp(1) samples x
     with probability proportional to the residual, without normalising it.
-    If the residual is all zero (only rounding can cause a rejection then) the
-    race is run over p instead. Ties go to the lowest token id (torch.argmax).
+    If the residual is all zero (a rejection then needs rounding, or a draft that
+    both p and q give zero) the race is run over p instead. Ties go to the lowest
+    token id, as with torch.argmax.
     """
-    scores = p / exponentials
+    scores = (p - q).clamp_min(0.0) / exponentials
     fallback = p / exponentials
     return torch.where(scores.amax(-1) > 0, scores.argmax(-1), fallback.argmax(-1))
 
@@ -154,7 +159,7 @@ def verify_triton(
     _check_inputs(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
         uniforms, exponentials, greedy, max_spec_len, lenience,
-    )  # fmt: skip
+    )
     if not target_probs.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise SpecdraftError(
             "verify_triton needs CUDA tensors (on CPU it only runs under the Triton interpreter, "
@@ -170,13 +175,13 @@ def verify_triton(
     return rejection_sample(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
         uniforms, exponentials, greedy, max_spec_len, lenience, block_v=block_v,
-    )  # fmt: skip
+    )
 
 
 def _check_inputs(
     draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
     uniforms, exponentials, greedy, max_spec_len, lenience,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Shape/range checks shared by both implementations; returns per-row draft counts.
 
     A bad count or token id would make the kernel read or write out of bounds,
@@ -184,14 +189,18 @@ def _check_inputs(
     """
     if target_probs.dim() != 2:
         raise SpecdraftError(
-            f"target_probs must be [num_tokens, vocab], got shape {tuple(target_probs.shape)}; "
+            f"verify: target_probs must be [num_tokens, vocab], got shape {tuple(target_probs.shape)}; "
             "flatten the per-row draft positions into one list (see cu_num_draft_tokens)."
         )
+    if cu_num_draft_tokens.dim() != 1:
+        raise SpecdraftError(
+            f"verify: cu_num_draft_tokens must be 1-D [batch], got shape {tuple(cu_num_draft_tokens.shape)}; "
+            "pass the inclusive cumsum of per-row draft counts."
+        )
     num_tokens, vocab_size = target_probs.shape
-    batch = cu_num_draft_tokens.shape[0] if cu_num_draft_tokens.dim() == 1 else -1
+    batch = cu_num_draft_tokens.shape[0]
     expected = {
         "draft_token_ids": (draft_token_ids, (num_tokens,)),
-        "cu_num_draft_tokens": (cu_num_draft_tokens, (batch,)),
         "bonus_token_ids": (bonus_token_ids, (batch,)),
         "uniforms": (uniforms, (num_tokens,)),
         "exponentials": (exponentials, (batch, vocab_size)),
@@ -200,18 +209,26 @@ def _check_inputs(
     if draft_probs is not None:
         expected["draft_probs"] = (draft_probs, (num_tokens, vocab_size))
     for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape or batch < 0:
+        if tuple(tensor.shape) != shape:
             raise SpecdraftError(
                 f"verify: {name} has shape {tuple(tensor.shape)}, expected {shape} "
-                f"(num_tokens={num_tokens} from target_probs, batch from the 1-D cu_num_draft_tokens); "
-                "pass bonus_token_ids as [batch], not [batch, 1]."
+                f"(num_tokens={num_tokens} from target_probs, batch={batch} from cu_num_draft_tokens); "
+                "reshape it (e.g. bonus_token_ids is [batch], not [batch, 1])."
             )
         if tensor.device != target_probs.device:
-            raise SpecdraftError(f"verify: {name} is on {tensor.device} but target_probs on {target_probs.device}; move them together.")
+            raise SpecdraftError(
+                f"verify: {name} is on {tensor.device} but target_probs on {target_probs.device}; "
+                "move them to the same device."
+            )
+    integer_inputs = {"draft_token_ids": draft_token_ids, "cu_num_draft_tokens": cu_num_draft_tokens,
+                      "bonus_token_ids": bonus_token_ids}
+    for name, tensor in integer_inputs.items():
+        if tensor.is_floating_point():
+            raise SpecdraftError(f"verify: {name} must hold integers, got {tensor.dtype}; use .long().")
     if greedy.dtype != torch.bool:
         raise SpecdraftError(f"verify: greedy must be a bool tensor, got {greedy.dtype}; pass `temperatures == 0`.")
     if not (0.0 < lenience <= 1.0):
-        raise SpecdraftError(f"verify: lenience must be in (0, 1], got {lenience}; use 1.0 for lossless verification.")
+        raise SpecdraftError(f"verify: lenience must be in (0, 1], got {lenience}; use 1.0 for exact verification.")
     if max_spec_len < 0:
         raise SpecdraftError(f"verify: max_spec_len must be >= 0, got {max_spec_len}.")
 
@@ -231,7 +248,8 @@ def _check_inputs(
         raise SpecdraftError(f"verify: batch is empty but there are {num_tokens} draft tokens.")
     if num_tokens > 0 and not (0 <= int(draft_token_ids.min()) and int(draft_token_ids.max()) < vocab_size):
         raise SpecdraftError(
-            f"verify: draft token ids must be in [0, {vocab_size}); map draft-vocabulary ids to target ids first (d2t)."
+            f"verify: draft token ids must be in [0, {vocab_size}); "
+            "map draft-vocabulary ids to target ids first (d2t)."
         )
     return num_drafts
 

@@ -15,6 +15,12 @@ from .base import Drafter, DraftSource, Family, LossOutput, Proposal, TargetOutp
 
 FAMILIES: dict[str, Family] = {}
 
+from .eagle1 import EAGLE1  # noqa: E402
+from .eagle3 import EAGLE3  # noqa: E402
+
+FAMILIES[EAGLE1.name] = EAGLE1
+FAMILIES[EAGLE3.name] = EAGLE3
+
 
 def get_family(name: str) -> Family:
     if name not in FAMILIES:

@@ -1,0 +1,188 @@
+"""EAGLE-1 (Li et al. 2024, arXiv 2401.15077): autoregression at the feature level.
+
+The target's last hidden state f_i (the LM-head input) and the next token t_{i+1} go in;
+the draft predicts the next feature f_{i+1}, and the target's frozen LM head turns it
+into a token distribution:
+
+    x_i      = fc([embed(t_{i+1}); f_i])          fc: Linear(2H -> H, bias) as in the reference
+    f_hat    = DecoderLayer(x)_i                  one layer of the target's own architecture,
+                                                  without its input norm (reference cnets.py)
+    p_hat    = softmax(LM_Head(f_hat_{i+1}))
+
+Trained with L = SmoothL1(f_hat, f) + 0.1 * CE(p, p_hat) (``specdraft.losses.eagle1_loss``),
+on input features with uniform noise. Embedding and LM head are the target's: borrowed,
+frozen, never saved. Saved parameter names follow the reference checkpoints: ``fc``,
+``layers.0.{self_attn,mlp,post_attention_layernorm}``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import SpecdraftError
+from ..losses import eagle1_loss
+from ..masks import block_causal_mask
+from .base import Family, LossOutput, TargetOutputs
+from .eagle_common import (
+    BorrowsTargetWeights,
+    EagleDraftSource,
+    KVCache,
+    check_same_target,
+    check_target_architecture,
+    decode_mask,
+    make_rotary,
+    read_drafter_folder,
+    shift_left,
+    target_config_dict,
+    write_drafter_folder,
+)
+
+
+@dataclass
+class Eagle1Config:
+    """EAGLE-1 hyper-parameters; defaults are the reference training script's (eagle/train/main.py)."""
+
+    cls_weight: float = 0.1  # w_cls in L = L_reg + w_cls * L_cls ("p_w")
+    noise: str = "uniform"  # feature augmentation: "uniform" or "none"
+    # Reference AddUniformNoise: (U[0,1) - 0.5) * noise_width * noise_ref_len / seq_len, i.e.
+    # U(-0.1, 0.1) at 512 tokens, wider for shorter sequences. noise_ref_len None: no length scaling.
+    noise_width: float = 0.2
+    noise_ref_len: int | None = 512
+    fc_bias: bool = True
+
+    # Recommended optimizer for the training loop (reference main.py): AdamW, betas (0.9, 0.95),
+    # lr 3e-5, torch's default weight decay 0.01, and gradient *value* clipping at 0.5.
+    optimizer_defaults: ClassVar[dict] = {
+        "lr": 3e-5, "betas": (0.9, 0.95), "weight_decay": 0.01, "clip_grad_value": 0.5,
+    }
+
+    def __post_init__(self):
+        if self.noise not in ("uniform", "none"):
+            raise SpecdraftError(f"drafter.noise must be 'uniform' or 'none', got {self.noise!r}")
+        if self.noise_width < 0 or self.cls_weight < 0:
+            raise SpecdraftError("drafter.noise_width and drafter.cls_weight must be >= 0")
+
+
+def uniform_feature_noise(features: torch.Tensor, lengths: torch.Tensor, cfg: Eagle1Config) -> torch.Tensor:
+    """The reference's AddUniformNoise: U(-w/2, w/2) scaled by ref_len / (the row's real length)."""
+    scale = torch.full_like(lengths, 1.0, dtype=features.dtype)
+    if cfg.noise_ref_len is not None:
+        scale = cfg.noise_ref_len / lengths.clamp_min(1).to(features.dtype)
+    return (torch.rand_like(features) - 0.5) * cfg.noise_width * scale[:, None, None]
+
+
+class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
+    family = "eagle1"
+
+    def __init__(self, target, cfg: Eagle1Config):
+        super().__init__()
+        layer_cls = check_target_architecture(target)
+        hidden = target.hidden_size
+        self.config = cfg
+        self.target_config = target.config
+        self.fc = nn.Linear(2 * hidden, hidden, bias=cfg.fc_bias)
+        # The layer must accept our boolean masks and cache: pin the SDPA attention path.
+        layer_config = copy.deepcopy(target.config)
+        layer_config._attn_implementation = "sdpa"
+        layer = layer_cls(layer_config, layer_idx=0)
+        # Reference cnets.py: the first draft layer has no input norm (fc's output feeds attention directly).
+        layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])
+        self.rotary_emb = make_rotary(target)
+        self.bind_target(target)
+
+    # -- the draft network ------------------------------------------------------------------------
+    def draft_step(self, features, tokens, positions, cache: KVCache | None = None, mask=None) -> torch.Tensor:
+        """f_hat_{i+1} for each position i from (f_i, t_{i+1}); [B, m, H] -> [B, m, H]."""
+        if mask is None:  # decoding: causal over the cache plus the new positions
+            mask = decode_mask(tokens.shape[1], len(cache), tokens.device)
+        embeds = self.embed_tokens(tokens).to(features.dtype)
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        out = self.layers[0](
+            x, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
+            position_embeddings=self.rotary_emb(x, positions),
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def draft_logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
+        return self.target_lm_head(predicted_features).float()
+
+    def target_features(self, target_out: TargetOutputs) -> torch.Tensor:
+        return target_out.last_hidden
+
+    def draft_input(self, features: torch.Tensor) -> torch.Tensor:
+        return features.to(self.fc.weight.dtype)
+
+    draft_to_target = None  # the draft vocabulary is the target's
+
+    # -- training ---------------------------------------------------------------------------------
+    def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        B, T = ids.shape
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        features = target_out.last_hidden.to(self.fc.weight.dtype)
+        noisy = features
+        if self.training and self.config.noise == "uniform":
+            noisy = features + uniform_feature_noise(features, attention.sum(1), self.config)
+
+        # Row i reads (f_i, t_{i+1}) and predicts f_{i+1}, hence token t_{i+2}: its target
+        # distribution is logits[:, i + 1], weighted by loss_mask[:, i + 2] (the loop's
+        # loss_mask[:, 1:] convention applied to position i + 1). Rows 0..T-3 have targets.
+        mask = block_causal_mask(attention, batch.get("seq_ids"))
+        predicted = self.draft_step(noisy, shift_left(ids, 1), positions, mask=mask)
+        rows = max(T - 2, 0)
+        weight = batch["loss_mask"][:, 2:].bool() & attention[:, :rows].bool() & attention[:, 2:].bool()
+        if "seq_ids" in batch:  # packing: the predicted token must belong to row i's document
+            weight = weight & (batch["seq_ids"][:, :rows] == batch["seq_ids"][:, 2:])
+
+        draft_logits = self.draft_logits(predicted[:, :rows])
+        target_logits = target_out.logits[:, 1 : rows + 1].float()
+        loss, regression, classification = eagle1_loss(
+            predicted[:, :rows], features[:, 1 : rows + 1], draft_logits, torch.softmax(target_logits, -1),
+            weight, self.config.cls_weight,
+        )
+        with torch.no_grad():
+            hit = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & weight
+            acc = hit.sum() / weight.sum().clamp_min(1)
+        metrics = {"loss_reg": regression.detach(), "loss_cls": classification.detach(), "acc_0": acc}
+        return LossOutput(loss, metrics)
+
+    # -- decoding and saving ----------------------------------------------------------------------
+    def draft_source(self, target) -> EagleDraftSource:
+        return EagleDraftSource(self)
+
+    def save_pretrained(self, path) -> None:
+        config = {
+            "family": self.family,
+            "config": asdict(self.config),
+            "draft_vocab_size": self.target_lm_head.weight.shape[0],
+            "target_taps": [],  # EAGLE-1 reads only the last hidden state
+            "target_config": target_config_dict(self.target_config),
+        }
+        write_drafter_folder(path, config, self.state_dict())
+
+
+def build_eagle1(target, cfg: Eagle1Config, draft_vocab=None) -> Eagle1Drafter:
+    """A fresh EAGLE-1 drafter for ``target`` (works on the meta device, for sizing)."""
+    if draft_vocab is not None:
+        raise SpecdraftError("EAGLE-1 drafts over the target's full vocabulary; do not pass a draft vocabulary")
+    with torch.device(target.device):
+        return Eagle1Drafter(target, cfg)
+
+
+def load_eagle1(path, target) -> Eagle1Drafter:
+    saved, tensors = read_drafter_folder(path, "eagle1")
+    check_same_target(saved, target, path)
+    drafter = build_eagle1(target, Eagle1Config(**saved["config"]))
+    drafter.load_state_dict(tensors)
+    return drafter
+
+
+EAGLE1 = Family(name="eagle1", config_cls=Eagle1Config, build=build_eagle1, load=load_eagle1, exporters={})

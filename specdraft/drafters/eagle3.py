@@ -1,0 +1,296 @@
+"""EAGLE-3 (Li et al. 2025, arXiv 2503.01840): fused target features, direct token prediction,
+and the training-time test.
+
+One draft step, as SGLang's and vLLM's ``llama_eagle3.py`` run it:
+
+    g    = fc([low; mid; high])                        target features at taps, 3H -> H (no bias)
+    x    = [input_layernorm(embed(t)); hidden_norm(g)]  2H: q/k/v projections take 2H inputs
+    h    = g + o_proj(attention(x))                    the residual is the hidden, not x
+    out  = h + mlp(post_attention_layernorm(h))        the pre-norm output: next step's hidden
+    logits = lm_head(norm(out))                        over the reduced draft vocabulary
+
+Training-time test (Sec. 3.2): the draft is unrolled ``ttt_steps`` times on its own outputs.
+Step k at row i stands for position i + k: it reads the token t_{i+k+1} and step k-1's output
+at row i, sits at RoPE position i + k, and attends the step-0 keys of rows 0..i (derived from
+real target features, block-causal) plus its own chain's keys at row i from steps 1..k. That is
+exactly what it sees when decoding, where step 0 is read from real features and later steps
+extend the KV cache. (The EAGLE-3 reference and SpecForge additionally hide step-0 keys
+i-k+1..i from step k, which decoding does not do: EAGLE issue #247, SpecForge PR #245. We follow
+decoding, and ``tests/test_eagle_decoding.py`` checks the two agree.)
+
+Parameter names are SGLang's, so export is a copy: ``fc``, ``midlayer.*``, ``norm``,
+``lm_head``, buffers ``d2t`` / ``t2d``. The embedding is the target's: borrowed, not saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from ..data.vocab import DraftVocab
+from ..errors import SpecdraftError
+from ..losses import restrict_to_draft_vocab, soft_cross_entropy, ttt_accuracy_metrics, ttt_step_weights
+from ..masks import block_causal_mask
+from .base import Family, LossOutput, TargetOutputs
+from .eagle_common import (
+    BorrowsTargetWeights,
+    EagleDraftSource,
+    KVCache,
+    apply_rotary,
+    attend,
+    check_same_target,
+    check_target_architecture,
+    decode_mask,
+    head_dim_of,
+    make_rotary,
+    read_drafter_folder,
+    shift_left,
+    target_config_dict,
+    write_drafter_folder,
+)
+
+
+@dataclass
+class Eagle3Config:
+    """EAGLE-3 hyper-parameters; defaults are the paper's / reference code's."""
+
+    ttt_steps: int = 7  # training-time-test unroll length (reference: model.length = 7)
+    step_weight_decay: float = 0.8  # step k's loss weight is decay**k
+    # Reduced draft vocabulary (the most frequent assistant tokens). None, or >= the target's
+    # vocabulary size, means the full vocabulary with the identity map.
+    draft_vocab_size: int | None = 32000
+
+    # Recommended optimizer (EAGLE-3 reference ds_config.json): AdamW betas (0.9, 0.95), peak lr 5e-5,
+    # no weight decay, gradient-norm clipping at 0.5.
+    optimizer_defaults: ClassVar[dict] = {
+        "lr": 5e-5, "betas": (0.9, 0.95), "weight_decay": 0.0, "max_grad_norm": 0.5,
+    }
+
+    def __post_init__(self):
+        if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+            raise SpecdraftError(f"drafter.ttt_steps must be an integer >= 1, got {self.ttt_steps!r} (default 7)")
+        if not self.step_weight_decay > 0:
+            raise SpecdraftError(f"drafter.step_weight_decay must be > 0, got {self.step_weight_decay} (default 0.8)")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise SpecdraftError("drafter.draft_vocab_size must be >= 1, or null for the full vocabulary")
+
+    def uses_reduced_vocab(self, target_vocab_size: int) -> bool:
+        """Whether a DraftVocab must be built from the data (else the full vocabulary is used)."""
+        return self.draft_vocab_size is not None and self.draft_vocab_size < target_vocab_size
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H [embedding; hidden] input."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden, self.head_dim = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(2 * hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, k, cos, sin)
+        if cache is not None:  # earlier positions (decoding) or earlier TTT steps (training)
+            k, v = cache.update(k, v)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = Eagle3MLP(config)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)  # on the token embedding
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)  # on the incoming hidden
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
+
+    def forward(self, embeds, hidden, cos, sin, mask, cache: KVCache | None) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
+    family = "eagle3"
+
+    def __init__(self, target, cfg: Eagle3Config, draft_vocab: DraftVocab):
+        super().__init__()
+        config = target.config
+        self.config, self.target_config, self.taps = cfg, config, list(target.taps)
+        self.fc = nn.Linear(3 * config.hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, draft_vocab.size, bias=False)
+        self.register_buffer("d2t", draft_vocab.d2t.clone())  # target_id = draft_id + d2t[draft_id]
+        self.register_buffer("t2d", draft_vocab.t2d.clone())
+        self.register_buffer("draft_ids", draft_vocab.draft_to_target.clone(), persistent=False)
+        self.rotary_emb = make_rotary(target)
+        self.bind_target(target)
+
+    # -- the draft network ------------------------------------------------------------------------
+    def draft_step(self, hidden, tokens, positions, cache: KVCache | None = None, mask=None) -> torch.Tensor:
+        """One draft step over m positions: [B, m, H] hidden + [B, m] next tokens -> [B, m, H] pre-norm outputs."""
+        if mask is None:  # decoding: causal over the cache plus the new positions
+            mask = decode_mask(tokens.shape[1], len(cache), tokens.device)
+        embeds = self.embed_tokens(tokens).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, positions)
+        return self.midlayer(embeds, hidden, cos, sin, mask, cache)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    def target_features(self, target_out: TargetOutputs) -> torch.Tensor:
+        if target_out.aux_hidden is None:
+            raise SpecdraftError("EAGLE-3 needs the target's tapped layers; build the target with taps='eagle3'")
+        return target_out.aux_hidden
+
+    def draft_input(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return self.draft_ids
+
+    # -- training: the training-time test ---------------------------------------------------------
+    def unroll(self, features, ids, positions, mask0) -> list[torch.Tensor]:
+        """The training-time test: step k's outputs [B, T, H] for k = 0..ttt_steps-1.
+
+        Step k, row i reads t_{i+k+1} and the previous step's row i at RoPE position i + k, and
+        attends the step-0 keys allowed by ``mask0`` plus row i's keys from steps 1..k: each
+        step's keys are appended to one KVCache, so step k's mask is [mask0 | I | ... | I].
+        """
+        B, T = ids.shape
+        same_position = torch.eye(T, dtype=torch.bool, device=ids.device)[None, None].expand(B, 1, T, T)
+        cache, hidden, outputs = KVCache(), self.draft_input(features), []
+        for k in range(self.config.ttt_steps):
+            mask = torch.cat([mask0] + [same_position] * k, dim=-1)
+            hidden = self.draft_step(hidden, shift_left(ids, k + 1), positions + k, cache, mask)
+            outputs.append(hidden)
+        return outputs
+
+    def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
+        ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+        seq_ids = batch.get("seq_ids")
+        B, T = ids.shape
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+
+        # The target side, once: p over the draft vocabulary, and whether its top-1 is in it.
+        target_probs, in_vocab = restrict_to_draft_vocab(target_out.logits, self.draft_ids, self.t2d)
+        mask0 = block_causal_mask(attention, seq_ids)  # step 0 sees what the target saw
+        steps = self.unroll(self.target_features(target_out), ids, positions, mask0)
+        losses, correct, counted = [], [], []
+        for k, hidden in enumerate(steps):
+            # Step k, row i predicts t_{i+k+2} ~ logits[:, i+k+1], weighted by loss_mask[:, i+k+2]
+            # (the loop's loss_mask[:, 1:] convention). Rows 0..T-k-3 have a target.
+            rows = max(T - k - 2, 0)
+            logits = self.draft_logits(hidden[:, :rows])
+            step_target = target_probs[:, k + 1 : k + 1 + rows]
+            weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 1 : k + 1 + rows] & attention[:, :rows] & attention[:, k + 2 :]
+            if seq_ids is not None:  # packing: the predicted token must be in row i's document
+                weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
+            losses.append(soft_cross_entropy(logits, step_target, weight))
+            with torch.no_grad():
+                correct.append(logits.argmax(-1) == step_target.argmax(-1))
+                counted.append(weight)
+
+        weights = ttt_step_weights(len(losses), self.config.step_weight_decay)
+        loss = sum(w * step_loss for w, step_loss in zip(weights, losses))
+        metrics = {f"loss_{k}": step_loss.detach() for k, step_loss in enumerate(losses)}
+        metrics.update(ttt_accuracy_metrics(correct, counted))
+        return LossOutput(loss, metrics)
+
+    # -- decoding and saving ----------------------------------------------------------------------
+    def draft_source(self, target) -> EagleDraftSource:
+        return EagleDraftSource(self)
+
+    def save_pretrained(self, path) -> None:
+        config = {
+            "family": self.family,
+            "config": asdict(self.config),
+            "draft_vocab_size": self.lm_head.out_features,
+            "target_taps": self.taps,
+            "target_config": target_config_dict(self.target_config),
+        }
+        write_drafter_folder(path, config, self.state_dict())
+
+
+def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = None) -> Eagle3Drafter:
+    """A fresh EAGLE-3 drafter for ``target`` (works on the meta device, for sizing).
+
+    ``draft_vocab`` comes from ``specdraft.data.vocab.build_draft_vocab`` when
+    ``cfg.uses_reduced_vocab(target.vocab_size)``; otherwise leave it None for the full vocabulary.
+    """
+    check_target_architecture(target)
+    if len(target.taps) != 3:
+        raise SpecdraftError(
+            f"EAGLE-3 fuses exactly 3 target layers (low, middle, high); the target taps {target.taps}. "
+            "Set target.taps to 'eagle3' (the default) or to three layer indices."
+        )
+    vocab_size = target.vocab_size
+    if draft_vocab is None:
+        draft_vocab = _default_draft_vocab(cfg, vocab_size, target.device)
+    if draft_vocab.size > vocab_size or draft_vocab.t2d.numel() != vocab_size:
+        raise SpecdraftError(
+            f"the draft vocabulary ({draft_vocab.size} tokens, map over {draft_vocab.t2d.numel()}) does not fit the "
+            f"target's vocabulary of {vocab_size}; rebuild it for this target "
+            "(specdraft.data.vocab.build_draft_vocab with its vocab size)."
+        )
+    with torch.device(target.device):
+        drafter = Eagle3Drafter(target, cfg, draft_vocab)
+    return drafter.to(target.device)  # the vocabulary buffers were made on the CPU
+
+
+def _default_draft_vocab(cfg: Eagle3Config, vocab_size: int, device: torch.device) -> DraftVocab:
+    if not cfg.uses_reduced_vocab(vocab_size):  # the full vocabulary, identity map
+        return DraftVocab.from_target_ids(torch.arange(vocab_size), vocab_size)
+    if device.type != "meta":
+        raise SpecdraftError(
+            f"drafter.draft_vocab_size is {cfg.draft_vocab_size}, below the target's {vocab_size} tokens, so EAGLE-3 "
+            "needs a draft vocabulary built from the data: pass build_draft_vocab(...)'s result to build(), "
+            "or set drafter.draft_vocab_size: null for the full vocabulary."
+        )
+    # Sizing on the meta device: only the shapes matter.
+    return DraftVocab.from_target_ids(torch.arange(cfg.draft_vocab_size), vocab_size)
+
+
+def load_eagle3(path, target) -> Eagle3Drafter:
+    saved, tensors = read_drafter_folder(path, "eagle3")
+    check_same_target(saved, target, path)
+    vocab = DraftVocab(d2t=tensors["d2t"].long(), t2d=tensors["t2d"].bool())
+    drafter = build_eagle3(target, Eagle3Config(**saved["config"]), vocab)
+    drafter.load_state_dict(tensors)
+    return drafter
+
+
+EAGLE3 = Family(
+    name="eagle3", config_cls=Eagle3Config, build=build_eagle3, load=load_eagle3, exporters={}, needs_draft_vocab=True,
+)

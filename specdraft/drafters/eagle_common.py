@@ -1,0 +1,278 @@
+"""What EAGLE-1 and EAGLE-3 share.
+
+* ``KVCache``: the draft layer's keys/values. At decode time it is the draft's KV cache;
+  in EAGLE-3's training-time test it is the "extended KV" each unrolled step appends to.
+* ``attend``: softmax attention with an explicit boolean mask, the one place both use.
+* the target-architecture check, the borrowed (frozen, unsaved) target weights,
+  save/load of a drafter folder, and ``EagleDraftSource`` for the speculative decoder.
+
+A drafter plugs into ``EagleDraftSource`` with five members:
+  target_features(target_out) -> [B, n, F]   what the target hands over per position
+  draft_input(features)       -> [B, n, H]   the hidden the draft layer reads (EAGLE-3: fc)
+  draft_step(hidden, tokens, positions, cache, mask=None) -> [B, m, H] next hiddens
+  draft_logits(hidden)        -> [..., N]    logits over the draft vocabulary
+  draft_to_target             [N] long or None (identity)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import SpecdraftError
+from .base import Proposal, TargetOutputs
+
+# Decoder layers whose config, rotary embedding and RMSNorm conventions the EAGLE drafters follow.
+SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+
+def check_target_architecture(target) -> type:
+    """The target's decoder layer class, if specdraft knows it; else a clear error."""
+    layer_cls = type(target.layers[0])
+    if layer_cls.__name__ not in SUPPORTED_LAYERS:
+        raise SpecdraftError(
+            f"EAGLE drafters support targets built from {', '.join(SUPPORTED_LAYERS)}; this target "
+            f"({target.config.model_type}) uses {layer_cls.__name__}. Use a Llama, Mistral, Qwen2 or Qwen3 "
+            "target, or another drafter family (e.g. draft LM)."
+        )
+    return layer_cls
+
+
+def make_rotary(target) -> nn.Module:
+    """A fresh copy of the target's rotary embedding (same rope type, scaling and head_dim).
+
+    The draft attends over the same positions as the target, so it uses the target's RoPE;
+    its buffers are non-persistent, so it is never saved.
+    """
+    return type(target.base.rotary_emb)(config=target.config)
+
+
+def head_dim_of(config) -> int:
+    """Qwen3 sets head_dim != hidden_size / heads; Llama may leave it unset."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE on [B, heads, T, d] queries and keys; cos/sin are [B, T, d] from the rotary module."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d), masked) v, with grouped-query heads.
+
+    q [B, h, Tq, d], k/v [B, h_kv, Tk, d], mask bool [B or 1, 1, Tq, Tk] (True = may attend).
+    Key head j // (h / h_kv) serves query head j, as in transformers' ``repeat_kv``.
+    SDPA with a mask runs the memory-efficient kernel on GPU: no [B, h, Tq, Tk] scores tensor.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def decode_mask(num_new: int, num_cached: int, device) -> torch.Tensor:
+    """[1, 1, m, c + m] bool: new position i (absolute c + i) sees cached keys and new keys up to itself."""
+    query = torch.arange(num_new, device=device)[:, None] + num_cached
+    key = torch.arange(num_cached + num_new, device=device)[None, :]
+    return (key <= query)[None, None]
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """x[:, n:] padded back to length T with ``fill``: position i now holds x[:, i + n]."""
+    return F.pad(x[:, n:], (0, n), value=fill)
+
+
+class KVCache:
+    """Keys and values of the draft's single layer, grown along the sequence dim.
+
+    ``update`` has the signature transformers' attention layers call, so the same
+    object serves EAGLE-1 (a transformers decoder layer) and EAGLE-3 (our own).
+    """
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None  # [B, h_kv, L, d]
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, cache_kwargs=None):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class BorrowsTargetWeights:
+    """Mixin: the target's frozen embedding (and LM head) used by reference, not owned.
+
+    Kept in a tuple, so they are neither parameters nor state_dict entries of the drafter
+    (never trained, never saved), and ``drafter.to(dtype)`` never casts the target's weights.
+    """
+
+    def bind_target(self, target) -> None:
+        self._borrowed = (target.embed_tokens, target.lm_head)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._borrowed[0]
+
+    @property
+    def target_lm_head(self) -> nn.Linear:
+        return self._borrowed[1]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+# -- save / load ----------------------------------------------------------------------------------
+
+
+def target_config_dict(config) -> dict:
+    """The target's full HF config as plain JSON types, so exporters need no target weights."""
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+def write_drafter_folder(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors, written to a temporary folder and renamed into place,
+    so an interrupted save never leaves a half-written drafter behind."""
+    path = Path(path)
+    if path.exists() and any(path.iterdir()) and not (path / "config.json").is_file():
+        raise SpecdraftError(f"{path} exists and is not a saved drafter; save to a new or empty folder")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_drafter_folder(path: str | Path, family: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise SpecdraftError(f"{path} is not a saved drafter (needs config.json and model.safetensors)")
+    config = json.loads((path / "config.json").read_text())
+    if config.get("family") != family:
+        raise SpecdraftError(
+            f"{path} holds a {config.get('family')!r} drafter, not {family!r}; load it with "
+            "specdraft.drafters.load_drafter, which picks the family from config.json"
+        )
+    return config, load_file(str(path / "model.safetensors"))
+
+
+def check_same_target(saved: dict, target, path) -> None:
+    """A drafter only works with the target (dimensions, vocabulary, taps) it was trained on."""
+    want = saved["target_config"]
+    for key, have in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if want.get(key) is not None and want[key] != have:
+            raise SpecdraftError(
+                f"the drafter in {path} was trained for a target with {key}={want[key]}, but this target has "
+                f"{have}; load the target the drafter was trained on ({want.get('_name_or_path') or 'see config.json'})"
+            )
+    if saved.get("target_taps") and list(saved["target_taps"]) != list(target.taps):
+        raise SpecdraftError(
+            f"the drafter in {path} reads target layers {saved['target_taps']}, but the target taps "
+            f"{target.taps}; build the target with taps={saved['target_taps']}"
+        )
+
+
+# -- decoding -------------------------------------------------------------------------------------
+
+
+class EagleDraftSource:
+    """An EAGLE drafter as a ``DraftSource``: chained draft steps over its own KV cache.
+
+    Draft position j reads (f_j, t_{j+1}): the target's feature at j and the next token,
+    and predicts t_{j+2}, exactly as in training. The draft therefore always lags one
+    token: pairs whose next token is not known yet wait in a queue. Bookkeeping:
+
+      start   queue f_0..f_{L-1} with t_1..t_{L-1}; the pending token t_L completes the last pair
+      propose step 0 reads every queued pair (real features) -> d_1; steps 1..k-1 read the
+              draft's own hidden and d_i -> d_{i+1}. Cache: committed pairs, then k-1 chain states
+      commit  drop the chain states; queue the verified features with the kept drafts, to be
+              read by the next propose (one draft forward per decoding step, not two)
+    """
+
+    def __init__(self, drafter: nn.Module):
+        self.drafter = drafter
+
+    @torch.no_grad()
+    def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:
+        self.cache = KVCache()
+        self.num_committed = 0  # cache positions computed from verified target features
+        self.queued_features = self.drafter.target_features(target_out)
+        self.queued_tokens = prompt_ids[:, 1:]
+
+    @torch.no_grad()
+    def propose(self, pending: torch.Tensor, k: int, params, generator: torch.Generator | None) -> Proposal:
+        from ..decoding.sampling import logits_to_probs, sample  # lazy: keeps drafters importable alone
+
+        d = self.drafter
+        tokens = torch.cat([self.queued_tokens, pending], dim=1)
+        hidden = d.draft_step(d.draft_input(self.queued_features), tokens, self._positions(tokens.shape[1]), self.cache)
+        self.num_committed = len(self.cache)
+        drafts, probs = [], []
+        for step in range(k):
+            if step > 0:  # read the previous draft with the hidden it came from
+                hidden = d.draft_step(hidden[:, -1:], drafts[-1], self._positions(1), self.cache)
+            q = logits_to_probs(d.draft_logits(hidden[:, -1]), params)  # [B, N], warped like the target's p
+            draft_ids = q.argmax(-1) if params.is_greedy else sample(q, generator)
+            drafts.append(self._to_target_ids(draft_ids)[:, None])
+            probs.append(self._to_target_vocab(q))
+        if not drafts:
+            B = pending.shape[0]
+            return Proposal(pending.new_zeros(B, 0), torch.zeros(B, 0, self._target_vocab_size(), device=pending.device))
+        return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1))
+
+    def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
+        self.cache.crop(self.num_committed)
+        self.queued_features = self.drafter.target_features(target_out)
+        self.queued_tokens = kept_ids[:, 1:]
+
+    def _positions(self, num_new: int) -> torch.Tensor:
+        start = len(self.cache)
+        return torch.arange(start, start + num_new, device=self.queued_tokens.device)[None]
+
+    def _target_vocab_size(self) -> int:
+        return self.drafter.target_lm_head.weight.shape[0]
+
+    def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        mapping = self.drafter.draft_to_target
+        return draft_ids if mapping is None else mapping[draft_ids]
+
+    def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the draft vocabulary -> over the target's, zero outside the draft vocabulary."""
+        mapping = self.drafter.draft_to_target
+        if mapping is None:
+            return q
+        full = q.new_zeros(q.shape[0], self._target_vocab_size())
+        return full.index_copy_(1, mapping, q)

@@ -1,0 +1,115 @@
+"""``specdraft quickstart``: the whole job on the shipped toy target, with no download.
+
+  1. prompts      chat prompts from the toy target's *training* files ("Write the function f in x.py")
+  2. regenerate   the target answers them itself (drafters trained on the target's own text accept more)
+  3. train        EAGLE-3 through the same ``train`` path and recipe (recipes/toy_eagle3.yaml)
+  4. export       SGLang, vLLM (speculators) and specdraft's own folder
+  5. eval         acceptance on prompts from the toy target's *held-out* files, against prompt lookup
+                  and plain decoding, at temperature 0 and 1: terminal table + JSON/Markdown/PNG report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from .errors import SpecdraftError
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def toy_prompts(split: str, limit: int, seed: int = 0) -> list[dict]:
+    """``turns``-format prompts from the toy target's own train or held-out files."""
+    from .toy_target import definition_prompts, list_source_files, toy_target_path
+
+    record = json.loads((toy_target_path() / "build_record.json").read_text())
+    heldout = set(record["heldout_files"])
+    files = list_source_files()
+    chosen = {rel: text for rel, text in files.items() if (rel in heldout) == (split == "heldout")}
+    prompts = [p for rel, text in chosen.items() for p, _ in definition_prompts(rel, text)]
+    random.Random(seed).shuffle(prompts)
+    if not prompts:
+        raise SpecdraftError(f"no {split} prompts could be built from this interpreter's standard library")
+    return [{"id": i, "turns": [p]} for i, p in enumerate(prompts[:limit])]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def quickstart(out: Path, train_prompts: int, steps: int | None, eval_prompts: int, overwrite: bool) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .config import load_recipe
+    from .data.regenerate import regenerate
+    from .export import export
+    from .toy_target import toy_target_path
+    from .train import train
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    target_dir = toy_target_path()
+    print(f"[1/5] toy target: {target_dir}")
+
+    answers = out / "data" / "answers.jsonl"
+    print(f"[2/5] the target answers {train_prompts} prompts from its training files -> {answers}")
+    prompts_file = write_jsonl(out / "data" / "train_prompts.jsonl", toy_prompts("train", train_prompts))
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    regenerate(model, tokenizer, prompts_file, answers, temperature=0.0, max_new_tokens=160, batch_size=32)
+    del model
+
+    recipe_file = RECIPES_DIR / "toy_eagle3.yaml"
+    if not recipe_file.is_file():
+        raise SpecdraftError(f"{recipe_file} not found: run the quickstart from a clone of the specdraft repository")
+    overrides = [f"data.path={answers}", f"checkpoint.output_dir={out / 'run'}"]
+    if steps:
+        overrides.append(f"training.max_steps={steps}")
+    recipe = load_recipe(recipe_file, overrides)
+    print(f"[3/5] training EAGLE-3 ({recipe.training.max_steps} steps) -> {out / 'run'}")
+    run_dir = train(recipe, overwrite=overwrite)
+
+    print(f"[4/5] exporting -> {out / 'export'}")
+    exported = {fmt: export(run_dir, fmt, out / "export" / fmt, overwrite=True) for fmt in ("sglang", "vllm", "hf")}
+
+    print(f"[5/5] acceptance eval on {eval_prompts} held-out prompts")
+    from .evaluation.run import evaluate_drafters
+
+    questions = write_jsonl(out / "data" / "heldout_prompts.jsonl", toy_prompts("heldout", eval_prompts))
+    report_dir = out / "report"
+    evaluate_drafters(
+        target_path=str(target_dir),
+        drafters={"eagle3": str(exported["hf"])},
+        prompts=str(questions),
+        k=recipe.eval.k,
+        temperatures=recipe.eval.temperatures,
+        max_new_tokens=recipe.eval.max_new_tokens,
+        prompt_lookup=True,
+        out_dir=report_dir,
+    )
+    minutes = (time.perf_counter() - started) / 60
+    print(f"\ndone in {minutes:.1f} min.\n  run:     {run_dir}\n  exports: "
+          + ", ".join(f"{k}={v}" for k, v in exported.items()) + f"\n  report:  {report_dir}")
+    return report_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="quickstart", help="where data, run, exports and report go")
+    parser.add_argument("--train-prompts", type=int, default=800, help="prompts the target answers for training")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
+    parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts for the acceptance eval")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier quickstart's run")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if (out / "run").exists() and not args.overwrite:
+        raise SpecdraftError(f"{out / 'run'} exists from an earlier quickstart; pass --overwrite or --out NEW_DIR")
+    quickstart(out, args.train_prompts, args.steps, args.eval_prompts, args.overwrite)
+    return 0

@@ -1,0 +1,86 @@
+"""A deliberately tiny drafter family for testing the training spine on its own.
+
+It predicts the next token from the target's last hidden state with one linear
+layer, plus a little torch RNG noise so RNG restore is exercised on resume.
+Import it (``import probe_family``) to register it as family "probe".
+"""
+
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specdraft.drafters import FAMILIES
+from specdraft.drafters.base import Family, LossOutput
+
+
+@dataclass
+class ProbeConfig:
+    noise: float = 0.01
+    draft_vocab_size: int | None = None
+
+
+class Probe(nn.Module):
+    family = "probe"
+
+    def __init__(self, hidden: int, vocab: int, cfg: ProbeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.head = nn.Linear(hidden, vocab)
+
+    calls = 0
+
+    def _fault_injection(self):
+        """Test hooks: PROBE_{KILL,SIGTERM,NAN}_AT_CALL=n acts on the n-th training micro-batch."""
+        if not self.training:
+            return False
+        Probe.calls += 1
+        if Probe.calls == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
+            os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no handler, no cleanup
+        if Probe.calls == int(os.environ.get("PROBE_SIGTERM_AT_CALL", 0)):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return Probe.calls == int(os.environ.get("PROBE_NAN_AT_CALL", 0))
+
+    def compute_loss(self, batch, target_out):
+        make_nan = self._fault_injection()
+        feature = target_out.last_hidden.float()
+        feature = feature + self.cfg.noise * torch.randn_like(feature)
+        logits = self.head(feature)[:, :-1]
+        labels = batch["input_ids"][:, 1:]
+        mask = batch["loss_mask"][:, 1:].bool()
+        loss = F.cross_entropy(logits[mask], labels[mask])
+        if make_nan:
+            loss = loss * float("nan")
+        acc = (logits[mask].argmax(-1) == labels[mask]).float().mean()
+        return LossOutput(loss, {"acc_0": acc.detach()})
+
+    def trainable_parameters(self):
+        return list(self.parameters())
+
+    def save_pretrained(self, path):
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"family": "probe", "hidden": self.head.in_features,
+                                                      "vocab": self.head.out_features, **asdict(self.cfg)}))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, path / "model.safetensors")
+
+
+def build(target, cfg, draft_vocab=None):
+    torch.manual_seed(1234)
+    return Probe(target.hidden_size, target.vocab_size, cfg)
+
+
+def load(path, target=None):
+    meta = json.loads((Path(path) / "config.json").read_text())
+    model = Probe(meta["hidden"], meta["vocab"], ProbeConfig(meta["noise"], meta["draft_vocab_size"]))
+    model.load_state_dict(load_file(Path(path) / "model.safetensors"))
+    return model
+
+
+FAMILIES["probe"] = Family("probe", ProbeConfig, build, load, exporters={})

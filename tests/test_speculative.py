@@ -1,0 +1,219 @@
+"""The speculative decoder: greedy output is the target's own, stats add up, bad input is refused."""
+
+import copy
+
+import pytest
+import torch
+from tiny import tiny_llama
+
+from specdraft.decoding.sampling import SamplingParams
+from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
+from specdraft.decoding.speculative import plain_decode, speculative_decode
+from specdraft.errors import SpecdraftError
+from specdraft.target import FrozenTarget
+
+VOCAB = 300
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module")
+def target(target_model):
+    return FrozenTarget(target_model)
+
+
+def noisy_copy(model, scale, seed):
+    """The target with Gaussian noise on every weight: a draft that agrees with it often, not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * scale * param.std().clamp_min(1e-3))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def sources(target_model):
+    """Every kind of source: a perfect draft, a partly-right one, an unrelated one, prompt lookup."""
+    return {
+        "identical": lambda: DraftLMSource(target_model),
+        "noisy": lambda: DraftLMSource(noisy_copy(target_model, 0.2, seed=1)),
+        "random": lambda: DraftLMSource(tiny_llama(VOCAB, seed=7, num_hidden_layers=1)),
+        "prompt_lookup": lambda: PromptLookupSource(max_ngram=3, min_ngram=1),
+    }
+
+
+def prompts(count, seed=0):
+    """Random prompts of varied lengths, including a single token and repeated n-grams."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.tensor([[1]])]
+    for i in range(count - 1):
+        body = torch.randint(3, VOCAB, (3 + 5 * i,), generator=g)
+        out.append(torch.cat([torch.tensor([1]), body, body[:4]])[None])
+    return out
+
+
+def naive_greedy(model, prompt_ids, max_new_tokens):
+    """The plainest possible greedy loop: re-run the whole sequence, no KV cache."""
+    ids = prompt_ids
+    for _ in range(max_new_tokens):
+        next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=1)
+    return ids[0, prompt_ids.shape[1] :].tolist()
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens, eos_token_id=None):
+    out = model.generate(
+        prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=eos_token_id, pad_token_id=0,
+    )  # fmt: skip
+    return out[0, prompt_ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("name", ["identical", "noisy", "random", "prompt_lookup"])
+def test_greedy_equals_target_greedy(target, target_model, sources, name):
+    source = sources[name]()
+    accepted = drafted = 0
+    for prompt in prompts(6):
+        expected = hf_greedy(target_model, prompt, MAX_NEW)
+        assert naive_greedy(target_model, prompt, MAX_NEW) == expected
+        for k in (1, 4):
+            out = speculative_decode(target, source, prompt, k=k, max_new_tokens=MAX_NEW)
+            assert out.tokens == expected, f"{name} k={k} prompt={prompt.tolist()}"
+            accepted += sum(s.num_accepted for s in out.steps)
+            drafted += sum(s.num_drafted for s in out.steps)
+    # The test means something only if drafts were really accepted (and, for "random", mostly rejected).
+    if name == "random":
+        assert accepted < 0.1 * drafted
+    else:
+        assert accepted > 30
+
+
+def test_plain_decode_equals_target_greedy(target, target_model):
+    for prompt in prompts(4):
+        assert plain_decode(target, prompt, max_new_tokens=MAX_NEW).tokens == hf_greedy(target_model, prompt, MAX_NEW)
+
+
+def test_stops_at_eos_like_generate(target, target_model, sources):
+    prompt = prompts(3)[2]
+    greedy = hf_greedy(target_model, prompt, MAX_NEW)
+    eos = greedy[9]  # a token the target emits at step 10 (maybe earlier too)
+    expected = hf_greedy(target_model, prompt, MAX_NEW, eos_token_id=eos)
+    assert expected[-1] == eos and len(expected) <= 10
+    for name in ("identical", "noisy", "prompt_lookup"):
+        out = speculative_decode(target, sources[name](), prompt, k=4, max_new_tokens=MAX_NEW, eos_token_ids=[eos])
+        assert out.tokens == expected, name
+    assert plain_decode(target, prompt, max_new_tokens=MAX_NEW, eos_token_ids=eos).tokens == expected
+
+
+def test_step_stats_add_up(target, target_model):
+    prompt = prompts(4)[3]
+    k = 3
+    out = speculative_decode(target, DraftLMSource(noisy_copy(target_model, 0.2, 1)), prompt, k=k, max_new_tokens=40)
+    assert len(out.tokens) == 40
+    # One token from the prefill, then n + 1 per step (the last step may be cut at the budget).
+    emitted = 1 + sum(s.num_accepted + 1 for s in out.steps)
+    assert 40 <= emitted <= 40 + k
+    assert all(0 <= s.num_accepted <= s.num_drafted <= k for s in out.steps)
+    assert any(0 < s.num_accepted < s.num_drafted for s in out.steps)
+    for s in out.steps:
+        # Greedy p and q are one-hot, so alpha predicted is 1 exactly where the draft was accepted.
+        assert s.alpha_predicted == [1.0] * s.num_accepted + [0.0] * (s.num_accepted < s.num_drafted)
+        assert s.draft_seconds > 0 and s.target_seconds > 0
+    assert out.seconds >= out.prefill_seconds + sum(s.draft_seconds + s.target_seconds for s in out.steps)
+
+
+def test_identical_draft_accepts_everything(target, target_model):
+    out = speculative_decode(target, DraftLMSource(target_model), prompts(2)[1], k=5, max_new_tokens=25)
+    assert [s.num_accepted for s in out.steps] == [5, 5, 5, 5]
+    # Temperature sampling too: q == p, so every draft passes u < p/q = 1.
+    params = SamplingParams(temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    out = speculative_decode(target, DraftLMSource(target_model), prompts(2)[1], k=5, params=params,
+                             max_new_tokens=25, generator=g)  # fmt: skip
+    assert [s.num_accepted for s in out.steps] == [5, 5, 5, 5]
+    assert all(a == pytest.approx(1.0, abs=1e-5) for s in out.steps for a in s.alpha_predicted)
+
+
+def test_sampling_is_reproducible_and_seed_dependent(target, target_model):
+    prompt = prompts(3)[2]
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+
+    def run(seed):
+        source = DraftLMSource(noisy_copy(target_model, 0.5, 1))
+        g = torch.Generator().manual_seed(seed)
+        return speculative_decode(target, source, prompt, k=4, params=params, max_new_tokens=30, generator=g).tokens
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_lossy_knobs(target, target_model):
+    prompt = prompts(3)[2]
+    expected = hf_greedy(target_model, prompt, MAX_NEW)
+    draft = noisy_copy(target_model, 0.2, 1)
+    # Greedy p is one-hot: typical acceptance keeps d iff p(d) = 1 > threshold, which is greedy verify.
+    out = speculative_decode(target, DraftLMSource(draft), prompt, k=4, max_new_tokens=MAX_NEW, typical_acceptance=True)
+    assert out.tokens == expected
+    # Lenience only changes random rows, never greedy ones.
+    out = speculative_decode(target, DraftLMSource(draft), prompt, k=4, max_new_tokens=MAX_NEW, lenience=0.3)
+    assert out.tokens == expected
+    # Sampling with typical acceptance still runs and respects the budget.
+    g = torch.Generator().manual_seed(0)
+    out = speculative_decode(target, DraftLMSource(draft), prompt, k=4, params=SamplingParams(temperature=1.0),
+                             max_new_tokens=MAX_NEW, generator=g, typical_acceptance=True)  # fmt: skip
+    assert len(out.tokens) == MAX_NEW
+
+
+def test_budget_capped_by_context():
+    model = tiny_llama(VOCAB, seed=0, max_position_embeddings=40)
+    target = FrozenTarget(model)
+    prompt = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
+    out = speculative_decode(target, DraftLMSource(model), prompt, k=8, max_new_tokens=100)
+    assert len(out.tokens) == 10  # 30 + 10 = the whole context, never more
+    assert out.tokens == hf_greedy(model, prompt, 10)
+    assert len(plain_decode(target, prompt, max_new_tokens=100).tokens) == 10
+    with pytest.raises(SpecdraftError, match="max_position_embeddings"):
+        speculative_decode(target, PromptLookupSource(), torch.ones(1, 40, dtype=torch.long), k=2)
+    with pytest.raises(SpecdraftError, match="max_position_embeddings"):
+        plain_decode(target, torch.ones(1, 41, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(k=0), "k \\(drafts per step\\)"),
+        (dict(k=-2), "k \\(drafts per step\\)"),
+        (dict(k=2.5), "k \\(drafts per step\\)"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(lenience=0.0), "lenience"),
+        (dict(lenience=1.5), "lenience"),
+    ],
+)
+def test_bad_arguments(target, kwargs, message):
+    with pytest.raises(SpecdraftError, match=message):
+        speculative_decode(target, PromptLookupSource(), prompts(2)[1], **kwargs)
+
+
+def test_bad_prompts_and_temperature(target):
+    with pytest.raises(SpecdraftError, match="one prompt at a time"):
+        speculative_decode(target, PromptLookupSource(), torch.ones(2, 5, dtype=torch.long))
+    with pytest.raises(SpecdraftError, match="shape"):
+        speculative_decode(target, PromptLookupSource(), torch.ones(1, 0, dtype=torch.long))
+    with pytest.raises(SpecdraftError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+
+
+def test_source_returning_too_many_drafts_is_caught(target):
+    class Greedy(PromptLookupSource):
+        def propose(self, pending, k, params, generator):
+            proposal = super().propose(pending, k, params, generator)
+            proposal.tokens = torch.ones(1, k + 1, dtype=torch.long)
+            return proposal
+
+    with pytest.raises(SpecdraftError, match="asked for at most"):
+        speculative_decode(target, Greedy(), prompts(2)[1], k=2)

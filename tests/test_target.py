@@ -1,0 +1,80 @@
+"""The frozen target: taps in one forward, the vLLM/SGLang layer-id conventions, clear errors."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from specdraft.errors import SpecdraftError
+from specdraft.masks import block_causal_mask
+from specdraft.target import FrozenTarget, eagle3_default_taps, sglang_layer_ids
+
+
+def tiny_config(**kw):
+    base = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=300)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def test_taps_equal_hidden_states_inputs_of_layers():
+    torch.manual_seed(0)
+    target = FrozenTarget.from_config(tiny_config(), taps="eagle3", device="cpu")
+    assert target.taps == [2, 4, 5]
+    ids = torch.randint(0, 300, (2, 11))
+    out = target(ids)
+    with torch.no_grad():
+        ref = target.model(ids, output_hidden_states=True)
+    for i, tap in enumerate(target.taps):
+        assert torch.equal(out.aux_hidden[..., i * 64:(i + 1) * 64], ref.hidden_states[tap])
+    # hidden_states[-1] is the normed final state: the LM-head input.
+    assert torch.equal(out.last_hidden, ref.hidden_states[-1])
+    assert torch.allclose(out.logits, ref.logits.float())
+    assert not any(p.requires_grad for p in target.parameters())
+
+
+def test_one_forward_per_call():
+    target = FrozenTarget.from_config(tiny_config(), taps=[1, 3], device="cpu")
+    calls = []
+    target.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    target(torch.randint(0, 300, (1, 5)))
+    assert len(calls) == 1
+    # hooks are removed after the forward: no leak across calls
+    assert all(len(layer._forward_pre_hooks) <= 1 for layer in target.layers)
+
+
+def test_layer_id_conventions():
+    assert eagle3_default_taps(32) == [2, 16, 29]  # Llama-3.1-8B, vLLM default
+    assert eagle3_default_taps(36) == [2, 18, 33]  # Qwen3-8B
+    assert sglang_layer_ids([2, 16, 29]) == [1, 15, 28]
+
+
+def test_packed_forward_matches_separate_forwards():
+    torch.manual_seed(0)
+    target = FrozenTarget.from_config(tiny_config(num_hidden_layers=2), taps=[1], device="cpu")
+    a, b = torch.randint(0, 300, (1, 4)), torch.randint(0, 300, (1, 6))
+    batch = {"input_ids": torch.cat([a, b], 1), "attention_mask": torch.ones(1, 10, dtype=torch.long),
+             "seq_ids": torch.tensor([[0] * 4 + [1] * 6]),
+             "position_ids": torch.tensor([list(range(4)) + list(range(6))])}
+    packed = target.forward_batch(batch)
+    assert torch.allclose(packed.logits[:, :4], target(a).logits, atol=1e-5)
+    assert torch.allclose(packed.logits[:, 4:], target(b).logits, atol=1e-5)
+    mask = block_causal_mask(batch["attention_mask"], batch["seq_ids"])
+    assert not mask[0, 0, 5, 3] and mask[0, 0, 5, 4] and not mask[0, 0, 4, 5]
+
+
+def test_tap_out_of_range_is_a_clear_error():
+    with pytest.raises(SpecdraftError, match="tap layer 8 is out of range.*0..7"):
+        FrozenTarget.from_config(tiny_config(), taps=[2, 4, 8], device="meta")
+
+
+def test_unknown_architecture_is_a_clear_error():
+    class NotADecoder(torch.nn.Module):
+        config = tiny_config()
+
+    with pytest.raises(SpecdraftError, match="Llama-style decoders"):
+        FrozenTarget(NotADecoder())
+
+
+def test_missing_target_path_is_a_clear_error(tmp_path):
+    with pytest.raises(SpecdraftError, match="could not load the target config"):
+        FrozenTarget.from_pretrained(tmp_path / "missing")
