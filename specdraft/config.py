@@ -162,12 +162,21 @@ def parse_dataclass(cls: type, data: Any, path: str) -> Any:
         value, tp = data[name], hints[name]
         if dataclasses.is_dataclass(tp):
             value = parse_dataclass(tp, value, dotted)
-        elif isinstance(value, int) and not isinstance(value, bool) and _type_ok(float(value), tp) and not _type_ok(value, tp):
-            value = float(value)
+        elif not _type_ok(value, tp) and _type_ok(1.0, tp) and _as_float(value) is not None:
+            value = _as_float(value)  # 3 -> 3.0, and PyYAML reads "3e-4" (no dot) as a string
         elif not _type_ok(value, tp):
             raise SpecdraftError(f"'{dotted}' must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _join(path: str, key: str) -> str:

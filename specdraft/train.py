@@ -8,6 +8,7 @@ gradient sync. Nothing here knows which family it is training.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -208,6 +209,15 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     def target_outputs(batch, split="train"):
         return features[split].lookup(batch) if features is not None else target.forward_batch(batch)
 
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        """To the trackers, and always to RUN/metrics.jsonl so a run describes itself without them."""
+        if not metrics:
+            return
+        accelerator.log(metrics, step=step)
+        if accelerator.is_main_process:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
     def save(reason: str) -> None:
         trainer_state = {"run": vars(state), "world_size": accelerator.num_processes, "reason": reason}
         save_checkpoint(accelerator, run_dir, state.step, step_module, optimizer, scheduler, trainer_state,
@@ -264,16 +274,18 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
                 bar.update(1)
                 if state.step % tcfg.log_every == 0 or state.step == total_steps:
                     logs = {f"train/{k}": v for k, v in _mean_metrics(history).items()}
+                    # Throughput over this log window only, so warm-up does not dilute it.
                     elapsed = time.perf_counter() - t_start
                     logs["train/tokens_per_s"] = (state.tokens - tokens_at_start) / max(elapsed, 1e-9)
                     logs["train/target_fraction"] = target_seconds / max(elapsed, 1e-9)
                     logs["train/lr"] = scheduler.get_last_lr()[0]
-                    accelerator.log(logs, step=state.step)
+                    t_start, tokens_at_start, target_seconds = time.perf_counter(), state.tokens, 0.0
+                    log_metrics(logs, state.step)
                     bar.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in logs.items()
                                      if k.split("/")[-1] in ("loss", "acc_0", "sim_accept_len", "tokens_per_s")})
                     history.clear()
                 if tcfg.eval_every and state.step % tcfg.eval_every == 0:
-                    accelerator.log(evaluate(), step=state.step)
+                    log_metrics(evaluate(), state.step)
                 if state.step % recipe.checkpoint.save_every == 0 or stop.requested:
                     save("signal" if stop.requested else "periodic")
                 if stop.requested:
@@ -288,8 +300,7 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     bar.close()
     if not checkpoint_dirs(run_dir) or checkpoint_dirs(run_dir)[-1].name != f"step-{state.step:07d}":
         save("final")
-    final_metrics = evaluate()
-    accelerator.log(final_metrics, step=state.step)
+    log_metrics(evaluate(), state.step)
     if accelerator.is_main_process:
         _write_final_drafter(run_dir, step_module, accelerator)
     accelerator.wait_for_everyone()

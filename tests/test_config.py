@@ -87,3 +87,60 @@ def test_yaml_is_loaded_safely(tmp_path):
     evil.write_text("target: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(SpecdraftError, match="not valid YAML"):
         load_recipe(evil)
+
+
+# Real target dimensions (from the models' config.json on the hub), so recipes are checked
+# against the shapes they will meet without downloading anything.
+REAL_TARGETS = {
+    "meta-llama/Llama-3.1-8B-Instruct": ("llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "Qwen/Qwen3-8B": ("qwen3", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+}
+
+
+def target_config_for(path):
+    from transformers import AutoConfig
+
+    if path == "toy":
+        from specdraft.toy_target import toy_target_path
+
+        return AutoConfig.from_pretrained(toy_target_path())
+    model_type, dims = REAL_TARGETS[path]
+    return AutoConfig.for_model(model_type, **dims)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
+    import torch
+
+    from specdraft.data.vocab import DraftVocab
+    from specdraft.drafters import get_family
+    from specdraft.target import FrozenTarget
+
+    recipe = load_recipe(path)
+    config = target_config_for(recipe.target.path)
+    target = FrozenTarget.from_config(config, taps=recipe.target.taps, device="meta")
+    family = get_family(recipe.drafter_family)
+    vocab = None
+    if family.needs_draft_vocab:
+        vocab = DraftVocab.from_target_ids(torch.arange(recipe.drafter.draft_vocab_size), config.vocab_size)
+    drafter = family.build(target, recipe.drafter, vocab)
+    trainable = sum(p.numel() for p in drafter.trainable_parameters())
+    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    if recipe.drafter_family == "eagle3":
+        N = recipe.drafter.draft_vocab_size
+        # fc 3H->H; attention on the 2H [embedding; hidden] input; MLP; 4 norms; own LM head over N
+        expected = 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 4 * H + N * H
+    else:
+        # fc 2H->H with bias; one target-architecture decoder layer (EAGLE-1 drops its input norm)
+        expected = 2 * H * H + H + H * (q + 2 * kv) + q * H + 3 * H * I + H
+    if recipe.target.path != "toy":  # the toy's arch flags are checked in the drafter's own tests
+        assert trainable == expected, (trainable, expected)
+    assert all(p.device.type == "meta" for p in drafter.trainable_parameters())

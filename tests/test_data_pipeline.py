@@ -130,3 +130,13 @@ def test_vocab_cache_key_follows_data_content(tmp_path, tokenizer):
     write_jsonl(tmp_path / "chat.jsonl", [dialogue(i) for i in range(4)])
     assert vocab_cache_key_parts(cfg, tokenizer) != before
     assert vocab_cache_key_parts(cfg, tiny_tokenizer(vocab_size=290)) != vocab_cache_key_parts(cfg, tokenizer)
+
+
+def test_vocab_cache_key_follows_the_template_file(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "chat.jsonl", [dialogue(0)])
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    cfg = DataConfig(path=path, chat_template=str(template))
+    before = vocab_cache_key_parts(cfg, tokenizer)
+    template.write_text(CHAT_TEMPLATE_NO_MARKERS)
+    assert vocab_cache_key_parts(cfg, tokenizer) != before

@@ -87,7 +87,8 @@ def assistant_mask_from_prefixes(messages: list[dict], tokenizer, template: str)
             )
         spans.append((len(before), len(through)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(start <= token_start < end for start, end in spans)) for token_start, _ in encoded["offset_mapping"]]
+    # A token is an answer token if it starts inside an answer span.
+    mask = [int(any(start <= t < end for start, end in spans)) for t, _ in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), mask
 
 

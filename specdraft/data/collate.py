@@ -19,7 +19,9 @@ def pad_token_id_of(tokenizer) -> int:
     """The tokenizer's pad id, or its EOS id when it has none (padding is masked out anyway)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
-        raise SpecdraftError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token before training.")
+        raise SpecdraftError(
+            "the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token before training."
+        )
     return pad
 
 

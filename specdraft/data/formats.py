@@ -57,7 +57,9 @@ def load_raw(path: str, split: str = "train") -> datasets.Dataset:
             # datasets' folder loader maps file names (train.jsonl, test-*.parquet, ...) to splits.
             dataset = datasets.load_dataset(str(local), split=split)
         elif _looks_like_local_path(path):
-            raise SpecdraftError(f"data file {path!r} does not exist. Fix data.path (relative paths start at the working directory).")
+            raise SpecdraftError(
+                f"data file {path!r} does not exist. Fix data.path (relative paths start at the working directory)."
+            )
         else:
             dataset = datasets.load_dataset(path, split=split)
     except SpecdraftError:
@@ -125,7 +127,8 @@ def _content_text(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        return "".join(part.get("text") or "" for part in content if isinstance(part, dict) and part.get("type") == "text")
+        texts = [part.get("text") or "" for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        return "".join(texts)
     raise SpecdraftError(f"message content must be a string or a list of text parts, got {type(content).__name__}.")
 
 

@@ -109,14 +109,18 @@ def _drop_untrainable(tokenized: datasets.Dataset, cfg: "DataConfig") -> dataset
     return tokenized.select(kept).remove_columns(["length", "dropped"])
 
 
-def train_eval_split(dataset: datasets.Dataset, eval_fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+def train_eval_split(
+    dataset: datasets.Dataset, eval_fraction: float, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """A random ``eval_fraction`` (rounded up) held out, the same for the same seed; both keep data order."""
     if not 0 <= eval_fraction < 1:
         raise SpecdraftError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}.")
     n = len(dataset)
     n_eval = math.ceil(n * eval_fraction)
     if n - n_eval < 1:
-        raise SpecdraftError(f"only {n} usable samples: none would be left to train on. Lower data.eval_fraction or add data.")
+        raise SpecdraftError(
+            f"only {n} usable samples: none would be left to train on. Lower data.eval_fraction or add data."
+        )
     order = np.random.default_rng(seed).permutation(n)
     return dataset.select(np.sort(order[n_eval:])), dataset.select(np.sort(order[:n_eval]))
 
@@ -128,8 +132,10 @@ def vocab_cache_key_parts(cfg: "DataConfig", tokenizer) -> list[str]:
     every data setting that changes the train split, and the tokenizer's vocabulary
     and chat template: change any and the cached map is not reused.
     """
-    settings = {k: getattr(cfg, k) for k in ("path", "format", "split", "text_field", "chat_template",
-                                             "max_length", "eval_fraction", "max_samples", "seed")}
+    fields = ("path", "format", "split", "text_field", "max_length", "eval_fraction", "max_samples", "seed")
+    settings = {k: getattr(cfg, k) for k in fields}
+    # The override's text, not its file name: editing the .jinja file must invalidate the map.
+    settings["chat_template"] = resolve_chat_template(tokenizer, cfg.chat_template) if cfg.chat_template else None
     return [data_fingerprint(cfg.path, cfg.split), json.dumps(settings, sort_keys=True), tokenizer_fingerprint(tokenizer)]
 
 
@@ -151,5 +157,4 @@ def data_fingerprint(path: str, split: str = "train") -> str:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
-    return hashlib.sha256(json.dumps([vocab, template]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([vocab, tokenizer.chat_template]).encode()).hexdigest()

@@ -42,7 +42,7 @@ def read_records(path: str | Path) -> list[dict]:
                     try:
                         records.append(json.loads(line))
                     except json.JSONDecodeError as e:
-                        raise SpecdraftError(f"{path}:{number} is not valid JSON ({e}). Fix or remove that line.") from e
+                        raise SpecdraftError(f"{path}:{number} is not valid JSON ({e}). Fix or drop that line.") from e
         return records
     if path.suffix == ".json" and path.is_file():
         records = json.loads(path.read_text(encoding="utf-8"))
@@ -124,7 +124,9 @@ def _stop_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     if not ids:
-        raise SpecdraftError("neither the tokenizer nor the model's generation config has an EOS token; set one so answers can end.")
+        raise SpecdraftError(
+            "neither the tokenizer nor the model's generation config has an EOS token; set one so answers can end."
+        )
     return ids
 
 
@@ -225,7 +227,7 @@ def regenerate(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target model: local folder or hub id")
-    parser.add_argument("--data", required=True, help="input dialogues or prompts (.jsonl/.json/.parquet, folder or hub id)")
+    parser.add_argument("--data", required=True, help="dialogues or prompts: .jsonl/.json/.parquet, folder or hub id")
     parser.add_argument("--out", required=True, help="output JSONL (appended to; an existing file is resumed)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="per answer")
@@ -234,7 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto = bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code")
     parser.add_argument("--max-samples", type=int, default=None, help="only the first N records")
-    parser.add_argument("--chat-template", default=None, help="jinja file or inline template (default: the tokenizer's)")
+    parser.add_argument("--chat-template", default=None, help="jinja file or inline template (default: tokenizer's)")
     parser.add_argument("--format", default="auto", choices=["auto", "sharegpt", "messages", "turns"])
     parser.add_argument("--seed", type=int, default=0)
 
@@ -253,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
         ).to(device)
     except (OSError, ValueError) as e:
         raise SpecdraftError(
-            f"could not load the target {args.target!r}: {e}\nGive --target a local transformers folder or a reachable hub id."
+            f"could not load the target {args.target!r}: {e}\n"
+            "Give --target a local transformers folder or a reachable hub id."
         ) from e
     written = regenerate(
         model,

@@ -35,7 +35,6 @@ from .eagle_common import (
     check_same_target,
     check_target_architecture,
     decode_mask,
-    make_rotary,
     read_drafter_folder,
     shift_left,
     target_config_dict,
@@ -93,7 +92,6 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         # Reference cnets.py: the first draft layer has no input norm (fc's output feeds attention directly).
         layer.input_layernorm = nn.Identity()
         self.layers = nn.ModuleList([layer])
-        self.rotary_emb = make_rotary(target)
         self.bind_target(target)
 
     # -- the draft network ------------------------------------------------------------------------

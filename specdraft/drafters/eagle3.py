@@ -47,7 +47,6 @@ from .eagle_common import (
     check_target_architecture,
     decode_mask,
     head_dim_of,
-    make_rotary,
     read_drafter_folder,
     shift_left,
     target_config_dict,
@@ -151,7 +150,6 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         self.register_buffer("d2t", draft_vocab.d2t.clone())  # target_id = draft_id + d2t[draft_id]
         self.register_buffer("t2d", draft_vocab.t2d.clone())
         self.register_buffer("draft_ids", draft_vocab.draft_to_target.clone(), persistent=False)
-        self.rotary_emb = make_rotary(target)
         self.bind_target(target)
 
     # -- the draft network ------------------------------------------------------------------------

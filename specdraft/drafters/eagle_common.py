@@ -49,8 +49,7 @@ def check_target_architecture(target) -> type:
 def make_rotary(target) -> nn.Module:
     """A fresh copy of the target's rotary embedding (same rope type, scaling and head_dim).
 
-    The draft attends over the same positions as the target, so it uses the target's RoPE;
-    its buffers are non-persistent, so it is never saved.
+    The draft attends over the same positions as the target, so it uses the target's RoPE.
     """
     return type(target.base.rotary_emb)(config=target.config)
 
@@ -125,14 +124,17 @@ class KVCache:
 
 
 class BorrowsTargetWeights:
-    """Mixin: the target's frozen embedding (and LM head) used by reference, not owned.
+    """Mixin: the parts of a drafter that are not its own trainable weights.
 
-    Kept in a tuple, so they are neither parameters nor state_dict entries of the drafter
-    (never trained, never saved), and ``drafter.to(dtype)`` never casts the target's weights.
+    The target's frozen embedding and LM head are used by reference, and the RoPE module is a
+    fresh float32 copy of the target's. All three live in a tuple, outside the module tree: they
+    are neither parameters nor state_dict entries (never trained, never saved), and
+    ``drafter.to(torch.bfloat16)`` neither casts the target's weights nor rounds the RoPE
+    frequencies (the rotary module moves them to the input's device itself).
     """
 
     def bind_target(self, target) -> None:
-        self._borrowed = (target.embed_tokens, target.lm_head)
+        self._borrowed = (target.embed_tokens, target.lm_head, make_rotary(target))
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -141,6 +143,10 @@ class BorrowsTargetWeights:
     @property
     def target_lm_head(self) -> nn.Linear:
         return self._borrowed[1]
+
+    @property
+    def rotary_emb(self) -> nn.Module:
+        return self._borrowed[2]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

@@ -1,0 +1,104 @@
+"""What a speculative decoding run is worth: pure functions of the decoder's per-step stats.
+
+Notation (Leviathan et al. 2023, Sec. 3): K drafts per step, alpha the chance a draft is
+accepted, c the cost of one draft token relative to one target forward.
+  acceptance length tau = tokens emitted per target forward (accepted drafts + the bonus/corrected one)
+  predicted speedup     = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c))      (Leviathan et al. 2023, Thm. 3.8)
+"""
+
+from __future__ import annotations
+
+import math
+
+from specdraft.decoding.speculative import DecodeOutput, StepStats
+
+MAX_RECOMMENDED_K = 16
+
+
+def acceptance_length(steps: list[StepStats]) -> float:
+    """tau: tokens per target forward in the decode phase, the bonus token included (plain decoding = 1)."""
+    if not steps:
+        return 1.0
+    return sum(s.num_accepted + 1 for s in steps) / len(steps)
+
+
+def position_acceptance(steps: list[StepStats], k: int) -> list[float | None]:
+    """Rate at which draft i is accepted given drafts 1..i-1 were (the EAGLE papers' n-alpha).
+
+    Draft i is tested in a step iff it was drafted and everything before it was accepted.
+    None where no step ever reached position i.
+    """
+    reached, accepted = [0] * k, [0] * k
+    for s in steps:
+        for i in range(min(s.num_accepted + 1, s.num_drafted, k)):
+            reached[i] += 1
+            accepted[i] += i < s.num_accepted
+    return [a / r if r else None for a, r in zip(accepted, reached)]
+
+
+def measured_alpha(steps: list[StepStats]) -> float | None:
+    """Accepted drafts / tested drafts: the maximum-likelihood alpha under i.i.d. acceptance."""
+    tested = sum(min(s.num_accepted + 1, s.num_drafted) for s in steps)
+    return sum(s.num_accepted for s in steps) / tested if tested else None
+
+
+def predicted_alpha(steps: list[StepStats]) -> float | None:
+    """Mean of sum_x min(p, q) over the same tested positions: what theory expects ``measured_alpha`` to be."""
+    values = [a for s in steps for a in s.alpha_predicted]
+    return sum(values) / len(values) if values else None
+
+
+def draft_cost_ratio(steps: list[StepStats]) -> float | None:
+    """c = (draft seconds per drafted token) / (target seconds per verify forward)."""
+    drafted = sum(s.num_drafted for s in steps)
+    target_seconds = sum(s.target_seconds for s in steps)
+    if not drafted or not target_seconds:
+        return None
+    return (sum(s.draft_seconds for s in steps) / drafted) / (target_seconds / len(steps))
+
+
+def predicted_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected wall-clock speedup over plain decoding (Leviathan et al. 2023, Thm. 3.8)."""
+    tokens_per_step = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens_per_step / (1 + k * c)
+
+
+def recommended_k(alpha: float, c: float, max_k: int = MAX_RECOMMENDED_K) -> int:
+    """The K in 1..max_k that maximises the predicted speedup."""
+    return max(range(1, max_k + 1), key=lambda k: predicted_speedup(alpha, k, c))
+
+
+def tokens_per_second(outputs: list[DecodeOutput]) -> float:
+    seconds = sum(o.seconds for o in outputs)
+    return sum(len(o.tokens) for o in outputs) / seconds if seconds else math.nan
+
+
+def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOutput] | None = None) -> dict:
+    """Every figure of one method on one group of prompts; ``plain_outputs`` are the same prompts decoded plainly."""
+    steps = [s for o in outputs for s in o.steps]
+    alpha, c = measured_alpha(steps), draft_cost_ratio(steps)
+    summary = {
+        "num_decodes": len(outputs),
+        "num_tokens": sum(len(o.tokens) for o in outputs),
+        "acceptance_length": acceptance_length(steps),
+        "position_acceptance": position_acceptance(steps, k) if steps else [],
+        "alpha_measured": alpha,
+        "alpha_predicted": predicted_alpha(steps),
+        "draft_cost_ratio": c,
+        "draft_seconds": sum(s.draft_seconds for s in steps),
+        "target_seconds": sum(s.target_seconds for s in steps),
+        "seconds": sum(o.seconds for o in outputs),
+        "tokens_per_second": tokens_per_second(outputs),
+        "speedup": None,
+        "predicted_speedup": None,
+        "recommended_k": None,
+        "predicted_speedup_at_recommended_k": None,
+    }
+    if plain_outputs:
+        summary["speedup"] = summary["tokens_per_second"] / tokens_per_second(plain_outputs)
+    if alpha is not None and c is not None:
+        best_k = recommended_k(alpha, c)
+        summary["predicted_speedup"] = predicted_speedup(alpha, k, c)
+        summary["recommended_k"] = best_k
+        summary["predicted_speedup_at_recommended_k"] = predicted_speedup(alpha, best_k, c)
+    return summary

@@ -1,0 +1,465 @@
+"""``specdraft export``: a trained drafter as a folder that vLLM or SGLang serves without edits.
+
+    specdraft export RUN --format sglang --out DIR     (RUN: a run folder or a drafter folder)
+
+Formats, per drafter family (``EXPORTERS``, a plain dict keyed by (family, format)):
+  hf      specdraft's own folder, copied: what ``specdraft eval`` and the decoder load
+  sglang  EAGLE-3 as LlamaForCausalLMEagle3; EAGLE-1 in the EAGLE reference layout, as SGLang's
+          LlamaForCausalLMEagle (Qwen2ForCausalLMEagle for Qwen2 targets) loads it
+  vllm    EAGLE-3 in the speculators format (Eagle3Speculator); EAGLE-1 in the reference layout
+          with a Llama config, which vLLM's EAGLEConfig turns into EagleLlamaForCausalLM
+
+An export is config.json + model.safetensors (and specdraft.json, recording the drafter it came
+from so ``load_exported`` can read it back). It is written to a temporary folder, then renamed.
+
+Every config field an engine reads is written out, never left to a default: the engines disagree
+(vLLM reads a missing ``norm_before_residual`` in a speculators config as true, speculators itself
+as false; ``bias: true`` gives vLLM's and SGLang's Llama layers attention biases). Each exporter's
+docstring names the loader files its fields and tensor names were checked against.
+
+Layer ids: our tap i is the *input* of target layer i (vLLM's convention); SGLang names the layer
+whose *output* it captures, so SGLang id = tap - 1. Both engines capture ``hidden + residual``
+before the layer runs, and each layer once: served taps must be 3 distinct layers >= 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from .checkpoint import find_drafter_dir
+from .errors import SpecdraftError
+from .target import sglang_layer_ids
+
+FORMATS = ("hf", "sglang", "vllm")
+SIDE_FILE = "specdraft.json"  # where an engine export came from; engines never read it
+SPECULATORS_VERSION = "0.3.0"  # the speculators config schema the vLLM export follows
+
+
+@dataclass
+class ExportOptions:
+    verifier: str | None = None  # the target's hub id or path, named in vLLM's speculators config
+    num_speculative_tokens: int = 3  # the speculators proposal length (vLLM's default k)
+
+
+# -- what both EAGLE exports share ---------------------------------------------------------------
+
+EAGLE3_TENSORS = {
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
+}
+
+
+def _rope_fields(tc: dict) -> dict:
+    """The target's RoPE in both spellings: transformers 4 (rope_theta, rope_scaling), 5 (rope_parameters)."""
+    params = tc.get("rope_parameters")
+    if params is None:  # a transformers-4 config; old ones spell rope_type "type"
+        scaling = tc.get("rope_scaling") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        params = {**scaling, "rope_type": rope_type, "rope_theta": tc.get("rope_theta", 10000.0)}
+    scaling = None if params.get("rope_type", "default") == "default" else {
+        k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling, "rope_parameters": dict(params)}
+
+
+def _layer_fields(saved: dict, tensors: dict, model_type: str, vocab_size: int) -> dict:
+    """The draft layer as a one-layer transformers config. Both EAGLE drafters build their layer
+    from the target's config, so its dimensions, norm eps and RoPE are the target's."""
+    tc = saved["target_config"]
+    if tc.get("hidden_act") != "silu":
+        raise SpecdraftError(
+            f"the target's hidden_act is {tc.get('hidden_act')!r}; vLLM's and SGLang's Llama MLP (which the EAGLE "
+            "draft layer runs as) support only silu. Export --format hf instead."
+        )
+    heads = tc["num_attention_heads"]
+    # The engines run the draft in this dtype: the target's, else that of the trained weights.
+    dtype = tc.get("dtype") or tc.get("torch_dtype") or str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    return {
+        "model_type": model_type,
+        "hidden_size": tc["hidden_size"],
+        "intermediate_size": tc["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": tc.get("num_key_value_heads") or heads,
+        "head_dim": tc.get("head_dim") or tc["hidden_size"] // heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": tc["rms_norm_eps"],
+        "max_position_embeddings": tc["max_position_embeddings"],
+        **_rope_fields(tc),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": False,  # True would make the engines use the embedding as LM head
+        "torch_dtype": dtype,
+        "dtype": dtype,  # transformers 5's name for torch_dtype
+    }
+
+
+def _served_taps(saved: dict) -> list[int]:
+    taps = list(saved["target_taps"])
+    if len(taps) != 3 or len(set(taps)) != 3 or min(taps) < 1:
+        raise SpecdraftError(
+            f"this drafter reads target layers {taps}, but vLLM and SGLang feed EAGLE-3 three distinct layers, each "
+            "captured as hidden + residual before a layer >= 1. Retrain with three distinct taps >= 1 "
+            "(target.taps: eagle3 on a target with >= 7 layers), or export --format hf."
+        )
+    return taps
+
+
+def _check_tensor_names(have: set, want: set, engine: str) -> None:
+    if have != want:
+        raise SpecdraftError(
+            f"{engine} cannot load this drafter: it has no parameter for {sorted(have - want)} and needs "
+            f"{sorted(want - have)}. Export --format hf, which any specdraft drafter supports."
+        )
+
+
+# -- EAGLE-3 -------------------------------------------------------------------------------------
+
+
+def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
+    """SGLang's LlamaForCausalLMEagle3; tensor names are ours unchanged.
+
+    Checked against sgl-project/sglang:
+      python/sglang/srt/models/llama_eagle3.py  fc = Linear(3 * target_hidden_size, hidden_size,
+        bias=getattr(config, "bias", False)); lm_head [draft_vocab_size, hidden] unless
+        tie_word_embeddings; the layer keeps the hidden as residual before hidden_norm (ours);
+        load_weights: d2t -> hot_token_id, t2d skipped, q/k/v -> qkv_proj, gate/up -> gate_up_proj,
+        other names tried as-is then as model.<name>; names that match nothing are dropped silently.
+      python/sglang/srt/models/llama.py  attention bias = attention_bias or bias; LlamaMLP: silu only;
+        set_embed shares the target's embedding; set_eagle3_layers_to_capture captures [id + 1 ...]
+      python/sglang/srt/model_executor/model_runner.py  layer ids from the draft config's
+        eagle_config["eagle_aux_hidden_state_layer_ids"]
+    """
+    _check_tensor_names(set(tensors), EAGLE3_TENSORS, "SGLang's LlamaForCausalLMEagle3")
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_layer_fields(saved, tensors, "llama", vocab_size=tensors["t2d"].numel()),
+        "draft_vocab_size": saved["draft_vocab_size"],
+        "target_hidden_size": saved["target_config"]["hidden_size"],
+        "bias": False,  # fc has no bias, and llama.py would also give attention a bias
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(_served_taps(saved)),
+            "use_aux_hidden_state": True,
+        },
+    }
+    return config, dict(tensors)
+
+
+def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
+    """The speculators format, which vLLM serves as Eagle3LlamaForCausalLM; midlayer.* -> layers.0.*.
+
+    Checked against vllm-project/vllm:
+      vllm/transformers_utils/configs/speculators/base.py  requires speculators_model_type,
+        speculators_config.proposal_methods[0].speculative_tokens, speculators_config.verifier.name_or_path
+        and a transformer_layer_config dict, which becomes the draft's model config
+      vllm/transformers_utils/configs/speculators/algos.py  update_eagle3 copies draft_vocab_size,
+        target_hidden_size, norm_before_residual (missing -> True, unlike ours), and
+        eagle_aux_hidden_state_layer_ids; the architecture comes from model_type "llama"
+      vllm/model_executor/models/llama_eagle3.py  fc = 3 * target_hidden_size -> hidden, no bias; q/k/v
+        read 2 * hidden; qkv bias = attention_bias; use_aux_hidden_state from eagle_config; load_weights:
+        t2d skipped, d2t -> draft_id_to_target_id, midlayer. -> layers.0., all but lm_head under model.,
+        unknown names raise; no embed_tokens tensor -> the target's embedding is shared
+      vllm/v1/worker/gpu_model_runner.py  _get_eagle3_aux_layers_from_config: the draft config's
+        eagle_aux_hidden_state_layer_ids, in vLLM's convention (= our taps)
+    and vllm-project/speculators src/speculators/config.py (SpeculatorsConfig, VerifierConfig),
+    src/speculators/models/eagle3/config.py (Eagle3SpeculatorConfig), src/speculators/proposals/greedy.py.
+    Tensor names are the ones speculators itself saves (layers.0.*).
+    """
+    _check_tensor_names(set(tensors), EAGLE3_TENSORS, "vLLM's Eagle3LlamaForCausalLM")
+    if not opts.verifier:
+        raise SpecdraftError(
+            "vLLM's speculators config names the target model (speculators_config.verifier.name_or_path), and "
+            "no recipe with target.path was found next to the drafter: pass --verifier HUB_ID_OR_PATH."
+        )
+    tc = saved["target_config"]
+    layer = _layer_fields(saved, tensors, "llama", vocab_size=tensors["t2d"].numel())
+    layer.update(attention_bias=False, mlp_bias=False, eagle_config={"use_aux_hidden_state": True})
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{
+                "proposal_type": "greedy",
+                "speculative_tokens": opts.num_speculative_tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": opts.verifier, "architectures": tc.get("architectures") or []},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": saved["draft_vocab_size"],
+        "norm_before_residual": False,  # our residual is the hidden before hidden_norm
+        "target_hidden_size": tc["hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": _served_taps(saved),
+        "torch_dtype": layer["torch_dtype"],
+    }
+    return config, {name.replace("midlayer.", "layers.0."): t for name, t in tensors.items()}
+
+
+# -- EAGLE-1 -------------------------------------------------------------------------------------
+
+# The reference layout (SafeAILab/EAGLE eagle/model/cnets1.py): fc, then one decoder layer of the
+# target's architecture whose input_layernorm is removed. Embedding and LM head are the target's.
+EAGLE1_LAYER_KIND = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # target model_type -> layer
+
+
+def _eagle1_tensors(kind: str, attention_bias: bool, fc_bias: bool) -> set[str]:
+    names = {"fc.weight", "layers.0.post_attention_layernorm.weight"}
+    names |= {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}
+    names |= {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    biased = "qkv" if kind == "qwen2" else ("qkvo" if attention_bias else "")  # Qwen2: q/k/v biases only
+    names |= {f"layers.0.self_attn.{p}_proj.bias" for p in biased}
+    return names | ({"fc.bias"} if fc_bias else set())
+
+
+def _eagle1_kind(saved: dict, engine_models: dict[str, str], engine: str) -> str:
+    model_type = saved["target_config"].get("model_type")
+    kind = EAGLE1_LAYER_KIND.get(model_type)
+    if kind not in engine_models:
+        raise SpecdraftError(
+            f"{engine} has EAGLE-1 models for {', '.join(engine_models.values())} only; this drafter's layer is a "
+            f"{model_type} layer. Export --format hf, or train EAGLE-3 (its draft layer is a Llama layer on any target)."
+        )
+    return kind
+
+
+def eagle1_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
+    """The reference layout as SGLang's LlamaForCausalLMEagle / Qwen2ForCausalLMEagle load it.
+
+    Checked against sgl-project/sglang:
+      python/sglang/srt/models/llama_eagle.py, qwen2_eagle.py  fc = Linear(2H, H) with a bias, always
+        (a drafter trained without one gets a zero bias, else nn.Linear's random init would stay);
+        cat(embed, feature) order; layer 0's input_layernorm is the identity (no tensor); load_weights
+        skips lm_head names and prefixes the rest with model.
+      python/sglang/srt/speculative/eagle_worker.py  set_embed_and_head: embedding and LM head are the
+        target's, so neither is written
+      python/sglang/srt/models/llama.py  attention bias = attention_bias or bias; unknown *.bias names
+        are dropped silently, other unknown names only warn
+    """
+    models = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
+    kind = _eagle1_kind(saved, models, "SGLang")
+    tc = saved["target_config"]
+    attention_bias = bool(tc.get("attention_bias", False))
+    out = dict(tensors)
+    if False:
+        out["fc.bias"] = torch.zeros_like(out["fc.weight"][:, 0])
+    _check_tensor_names(set(out), _eagle1_tensors(kind, attention_bias, fc_bias=True), f"SGLang's {models[kind]}")
+    config = {"architectures": [models[kind]], **_layer_fields(saved, tensors, kind, tc["vocab_size"]), "bias": False}
+    if kind == "llama":
+        config.update(attention_bias=attention_bias, mlp_bias=False)
+    else:  # Qwen2's q/k/v biases are built in; the draft layer attends without a window
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config, out
+
+
+def eagle1_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
+    """The reference layout with a Llama config; serve with --speculative-config '{"method": "eagle", ...}'.
+
+    Checked against vllm-project/vllm:
+      vllm/transformers_utils/configs/eagle.py  EAGLEConfig (method "eagle") renames architecture X to
+        EagleX: LlamaForCausalLM -> EagleLlamaForCausalLM (model_executor/models/registry.py)
+      vllm/model_executor/models/llama_eagle.py  fc = Linear(2H, H, bias=False), so a trained fc bias has
+        no place (refused unless exactly zero); layer 0's input_layernorm is nn.Identity (no tensor);
+        embed_tokens skipped (shared); no lm_head parameter (the target's is used); unknown names raise
+      vllm/model_executor/models/llama.py  attention bias = attention_bias or bias, hence "bias": false
+    """
+    kind = _eagle1_kind(saved, {"llama": "LlamaForCausalLM (EagleLlamaForCausalLM)"}, "vLLM")
+    tc = saved["target_config"]
+    out = dict(tensors)
+    fc_bias = out.pop("fc.bias", None)
+    if fc_bias is not None and fc_bias.any():
+        raise SpecdraftError(
+            "vLLM's EAGLE-1 model (llama_eagle.py) has no bias on fc, and this drafter learned one. Retrain with "
+            "drafter.fc_bias: false to serve on vLLM, or export --format sglang (SGLang's fc has a bias)."
+        )
+    attention_bias = bool(tc.get("attention_bias", False))
+    _check_tensor_names(set(out), _eagle1_tensors(kind, attention_bias, fc_bias=False), "vLLM's EagleLlamaForCausalLM")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        **_layer_fields(saved, tensors, "llama", tc["vocab_size"]),
+        "bias": False,
+        "attention_bias": attention_bias,
+        "mlp_bias": False,
+    }
+    return config, out
+
+
+def to_hf(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
+    """specdraft's own folder, unchanged."""
+    return saved, tensors
+
+
+EXPORTERS = {
+    ("eagle3", "sglang"): eagle3_to_sglang,
+    ("eagle3", "vllm"): eagle3_to_vllm,
+    ("eagle1", "sglang"): eagle1_to_sglang,
+    ("eagle1", "vllm"): eagle1_to_vllm,
+    ("*", "hf"): to_hf,  # any family
+}
+
+
+def exporter_for(family: str, fmt: str):
+    if fmt not in FORMATS:
+        raise SpecdraftError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    exporter = EXPORTERS.get((family, fmt)) or EXPORTERS.get(("*", fmt))
+    if exporter is None:
+        fits = sorted(f for (fam, f) in EXPORTERS if fam in (family, "*"))
+        raise SpecdraftError(
+            f"a {family} drafter cannot be exported as {fmt}: specdraft knows no {fmt} model that loads it. "
+            f"Formats for {family}: {', '.join(fits)} (e.g. --format hf, which specdraft eval loads)."
+        )
+    return exporter
+
+
+def _specdraft_tensors(saved: dict, fmt: str, tensors: dict) -> dict:
+    """An export's tensors under specdraft's names again (the inverse of the exporters' renaming)."""
+    out = {name.replace("layers.0.", "midlayer.") if saved["family"] == "eagle3" else name: t
+           for name, t in tensors.items()}
+    if saved["family"] == "eagle1":  # sglang always has fc.bias, vllm never: back to the drafter's own
+        bias = out.pop("fc.bias", None)
+        if saved["config"].get("fc_bias", True):
+            out["fc.bias"] = bias if bias is not None else torch.zeros_like(out["fc.weight"][:, 0])
+    return out
+
+
+# -- writing and reading folders -----------------------------------------------------------------
+
+
+def _write_folder(path: Path, config: dict, tensors: dict, side: dict | None) -> None:
+    """config.json + model.safetensors (+ specdraft.json), written to a temporary folder then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # metadata format=pt: transformers' from_pretrained refuses safetensors files without it
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if side is not None:
+            (tmp / SIDE_FILE).write_text(json.dumps(side, indent=2) + "\n")
+        if path.exists():  # --overwrite: swap, then delete the old folder
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _find_recipe(given: Path, drafter_dir: Path) -> dict:
+    """RUN/recipe.yaml for RUN, RUN/drafter or RUN/checkpoints/step-N/drafter; {} if there is none."""
+    for folder in (given, drafter_dir.parent, drafter_dir.parent.parent.parent):
+        if (folder / "recipe.yaml").is_file():
+            return yaml.safe_load((folder / "recipe.yaml").read_text()) or {}
+    return {}
+
+
+def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwrite: bool = False,
+           verifier: str | None = None, num_speculative_tokens: int | None = None) -> Path:
+    """Write the drafter of a run (its final drafter, else its newest checkpoint) in format ``fmt``.
+
+    ``verifier`` and ``num_speculative_tokens`` only go into the vLLM EAGLE-3 config; by default
+    they are the run recipe's ``target.path`` and ``eval.k``.
+    """
+    given, out_dir = Path(run_or_drafter_dir), Path(out_dir)
+    if num_speculative_tokens is not None and num_speculative_tokens < 1:
+        raise SpecdraftError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
+    source = find_drafter_dir(given)
+    saved = json.loads((source / "config.json").read_text())
+    family = saved.get("family")
+    if family is None:
+        raise SpecdraftError(f"{source}/config.json names no drafter family; point at a folder save_pretrained wrote")
+    exporter = exporter_for(family, fmt)
+    if out_dir.exists() and not overwrite:
+        raise SpecdraftError(f"{out_dir} already exists; pass --overwrite to replace it, or choose another --out")
+    if out_dir.resolve() == source.resolve() or out_dir.resolve() in source.resolve().parents:
+        raise SpecdraftError(f"--out {out_dir} holds the drafter being exported ({source}); choose another --out")
+
+    recipe = _find_recipe(given, source)
+    opts = ExportOptions(
+        verifier=verifier or (recipe.get("target") or {}).get("path") or saved["target_config"].get("_name_or_path"),
+        num_speculative_tokens=num_speculative_tokens or (recipe.get("eval") or {}).get("k") or 3,
+    )
+    config, tensors = exporter(saved, load_file(str(source / "model.safetensors")), opts)
+    side = None if fmt == "hf" else {"format": fmt, "options": asdict(opts), "drafter_config": saved}
+    _write_folder(out_dir, config, tensors, side)
+    return out_dir
+
+
+def load_exported(path: str | Path, target):
+    """Read an exported folder back into a specdraft drafter bound to ``target``.
+
+    The weights are the exported tensors, renamed back. The folder must hold exactly what ``export``
+    writes for its drafter (config and tensors), so what an engine reads is what was trained.
+    """
+    from .drafters import load_drafter
+
+    path = Path(path)
+    if not (path / SIDE_FILE).is_file():  # an hf export is a drafter folder
+        return load_drafter(path, target)
+    side = json.loads((path / SIDE_FILE).read_text())
+    saved, fmt = side["drafter_config"], side["format"]
+    config = json.loads((path / "config.json").read_text())
+    tensors = load_file(str(path / "model.safetensors"))
+    weights = _specdraft_tensors(saved, fmt, tensors)
+    want_config, want_tensors = exporter_for(saved["family"], fmt)(saved, weights, ExportOptions(**side["options"]))
+    changed = sorted(k for k in set(config) | set(want_config) if config.get(k) != want_config.get(k))
+    changed += sorted(k for k in set(tensors) | set(want_tensors)
+                      if k not in tensors or k not in want_tensors or not torch.equal(tensors[k], want_tensors[k]))
+    if changed:
+        raise SpecdraftError(
+            f"{path} was changed after export ({', '.join(changed)} differ from what specdraft writes for its "
+            "drafter), so an engine would not run the trained drafter. Export it again."
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_folder(Path(tmp) / "drafter", saved, weights, None)
+        return load_drafter(Path(tmp) / "drafter", target)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+SERVE_HINTS = {
+    ("eagle3", "sglang"): "python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
+                          "--speculative-draft-model-path {out}",
+    ("eagle1", "sglang"): "python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE "
+                          "--speculative-draft-model-path {out}",
+    ("eagle3", "vllm"): "vllm serve TARGET --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\"}}'",
+    ("eagle1", "vllm"): "vllm serve TARGET --speculative-config '{{\"method\": \"eagle\", \"model\": \"{out}\"}}'",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run folder (final drafter, else newest checkpoint) or a drafter folder")
+    parser.add_argument("--format", required=True, help=f"one of {', '.join(FORMATS)}")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist, unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--verifier", help="vLLM only: the target's hub id or path (default: the recipe's target.path)")
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        help="vLLM only: draft length written into the config (default: the recipe's eval.k)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export(args.run, args.format, args.out, overwrite=args.overwrite, verifier=args.verifier,
+                 num_speculative_tokens=args.num_speculative_tokens)
+    family = json.loads((find_drafter_dir(Path(args.run)) / "config.json").read_text())["family"]
+    print(f"wrote {out}")
+    hint = SERVE_HINTS.get((family, args.format))
+    if hint:
+        print("serve with:\n  " + hint.format(out=out))
+    return 0

@@ -1,0 +1,388 @@
+"""EAGLE-1 / EAGLE-3 drafters: shapes, training, save/load, real-model sizing, bad input.
+
+Decoding (DraftSource) and train/serve consistency live in test_eagle_decoding.py.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from specdraft.data.vocab import DraftVocab
+from specdraft.drafters import FAMILIES, get_family, load_drafter
+from specdraft.drafters.eagle1 import EAGLE1, Eagle1Config
+from specdraft.drafters.eagle3 import EAGLE3, Eagle3Config
+from specdraft.drafters.eagle_common import shift_left
+from specdraft.errors import SpecdraftError
+from specdraft.masks import block_causal_mask
+from specdraft.target import FrozenTarget
+
+VOCAB = 256
+# initializer_range 0.3 makes the random target's next-token distributions peaked, so there is
+# something to learn; hidden 64 / 4 heads / 2 kv heads exercises grouped-query attention.
+COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.3)
+ARCHS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "qwen2": lambda: Qwen2Config(**COMMON),  # q/k/v biases
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),  # head_dim != 64 / 4, q/k norms
+    "mistral": lambda: MistralConfig(**COMMON),
+}
+
+
+def tiny_target(arch: str = "llama", taps="eagle3") -> FrozenTarget:
+    torch.manual_seed(0)
+    return FrozenTarget.from_config(ARCHS[arch](), taps=taps, device="cpu")
+
+
+def make_batch(B=2, T=24, seed=1):
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    ones = torch.ones(B, T, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": ones, "loss_mask": ones.clone()}
+
+
+def build(family: str, target, **cfg):
+    torch.manual_seed(0)
+    fam = get_family(family)
+    return fam.build(target, fam.config_cls(**cfg))
+
+
+FAMILY_CFG = {"eagle1": {}, "eagle3": {"ttt_steps": 3}}
+
+
+def test_families_are_registered():
+    assert FAMILIES["eagle1"] is EAGLE1 and FAMILIES["eagle3"] is EAGLE3
+    assert EAGLE3.needs_draft_vocab and not EAGLE1.needs_draft_vocab
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_a_few_training_steps_reduce_the_loss(family, arch):
+    target = tiny_target(arch)
+    batch = make_batch()
+    target_out = target.forward_batch(batch)
+    drafter = build(family, target, **FAMILY_CFG[family])
+    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        out = drafter.compute_loss(batch, target_out)
+        assert out.loss.shape == () and all(v.shape == () and not v.requires_grad for v in out.metrics.values())
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(out.loss.item())
+    assert losses[-1] < 0.85 * losses[0]
+    # The target's own weights were never touched nor handed to the optimizer.
+    assert all(not p.requires_grad for p in target.parameters())
+    assert not any(p is target.embed_tokens.weight for p in drafter.trainable_parameters())
+
+
+def test_eagle3_metrics_have_one_entry_per_step():
+    target = tiny_target()
+    batch = make_batch()
+    metrics = build("eagle3", target, ttt_steps=3).compute_loss(batch, target.forward_batch(batch)).metrics
+    per_step = [f"{name}_{k}" for k in range(3) for name in ("loss", "acc", "cond_acc")]
+    assert sorted(metrics) == sorted(per_step + ["sim_accept_len"])
+
+
+def test_initial_losses_are_pinned():
+    # Regression guard: fixed seeds, fixed tiny Llama, untrained drafters.
+    target = tiny_target("llama")
+    batch = make_batch()
+    target_out = target.forward_batch(batch)
+    eagle1 = build("eagle1", target).eval().compute_loss(batch, target_out)  # eval: no noise
+    eagle3 = build("eagle3", target, ttt_steps=3).compute_loss(batch, target_out)
+    assert eagle1.metrics["loss_reg"].item() == pytest.approx(PINNED["eagle1_reg"], rel=1e-4)
+    assert eagle1.metrics["loss_cls"].item() == pytest.approx(PINNED["eagle1_cls"], rel=1e-4)
+    assert [eagle3.metrics[f"loss_{k}"].item() for k in range(3)] == pytest.approx(PINNED["eagle3_steps"], rel=1e-4)
+
+
+PINNED = {"eagle1_reg": 0.4947857, "eagle1_cls": 6.1717668, "eagle3_steps": [5.7379966, 5.6625314, 5.6886220]}
+
+
+def test_eagle1_uniform_noise_only_while_training():
+    target = tiny_target()
+    batch = make_batch()
+    target_out = target.forward_batch(batch)
+    drafter = build("eagle1", target)
+    torch.manual_seed(0)
+    a = drafter.train().compute_loss(batch, target_out).loss
+    torch.manual_seed(1)
+    b = drafter.compute_loss(batch, target_out).loss
+    assert a.item() != b.item()  # different noise draws
+    c, d = (drafter.eval().compute_loss(batch, target_out).loss for _ in range(2))
+    assert c.item() == d.item()
+
+
+def test_eagle1_follows_the_reference_layout():
+    target = tiny_target("qwen2")
+    drafter = build("eagle1", target)
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight", "layers.0.self_attn.q_proj.bias"} <= names
+    # No input norm on the single layer, and nothing borrowed from the target is saved.
+    assert not any("input_layernorm" in n or "embed_tokens" in n or "lm_head" in n for n in names)
+    assert drafter.fc.weight.shape == (64, 128)
+
+
+def test_eagle3_parameter_names_are_sglangs():
+    drafter = build("eagle3", tiny_target("qwen3"))
+    expected = {
+        "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+        "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+        *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+        *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    }
+    assert set(drafter.state_dict()) == expected
+    attn = drafter.midlayer.self_attn
+    # Qwen3 head_dim 32 != 64 / 4; q/k/v read the 2H [embedding; hidden] input.
+    assert attn.q_proj.weight.shape == (4 * 32, 128) and attn.k_proj.weight.shape == (2 * 32, 128)
+    assert drafter.fc.weight.shape == (64, 3 * 64)
+    assert drafter.d2t.dtype == torch.long and drafter.t2d.dtype == torch.bool
+
+
+def test_eagle3_layer_matches_the_formula():
+    """out = h + mlp(post_norm(h)), h = g + o_proj(attn([in_norm(e); hidden_norm(g)])), written out by hand."""
+    target = tiny_target()
+    drafter = build("eagle3", target)
+    layer = drafter.midlayer
+    for norm in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm):
+        torch.nn.init.uniform_(norm.weight, 0.5, 1.5)  # so a swapped norm would show
+    B, T, H, heads, kv, d = 1, 5, 64, 4, 2, 16
+    g, tokens = torch.randn(B, T, H), torch.randint(0, VOCAB, (B, T))
+    positions = torch.arange(T)[None]
+    out = drafter.draft_step(g, tokens, positions, mask=block_causal_mask(torch.ones(B, T)))
+
+    def rms(x, w):
+        return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    x = torch.cat([rms(target.embed_tokens(tokens), layer.input_layernorm.weight), rms(g, layer.hidden_norm.weight)], -1)
+    a = layer.self_attn
+    q = (x @ a.q_proj.weight.T).view(B, T, heads, d).transpose(1, 2)
+    k = (x @ a.k_proj.weight.T).view(B, T, kv, d).transpose(1, 2).repeat_interleave(2, dim=1)
+    v = (x @ a.v_proj.weight.T).view(B, T, kv, d).transpose(1, 2).repeat_interleave(2, dim=1)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = positions[0, :, None].float() * inv_freq
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rope(t):
+        t1, t2 = t[..., : d // 2], t[..., d // 2 :]
+        return t * cos + torch.cat([-t2, t1], -1) * sin
+
+    scores = rope(q) @ rope(k).transpose(-1, -2) / d**0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, heads * d) @ a.o_proj.weight.T
+    h = g + attn
+    m = layer.mlp
+    y = rms(h, layer.post_attention_layernorm.weight)
+    expected = h + (torch.nn.functional.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_packed_rows_match_the_documents_run_alone():
+    """Block-causal masks and restarting positions: a packed document sees nothing of its neighbour,
+    at every training-time-test step."""
+    target = tiny_target()
+    doc_a, doc_b = torch.randint(0, VOCAB, (1, 9)), torch.randint(0, VOCAB, (1, 7))
+    packed = torch.cat([doc_a, doc_b], 1)
+    seq_ids = torch.tensor([[0] * 9 + [1] * 7])
+    positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    packed_out = target(packed, attention_mask=block_causal_mask(torch.ones(1, 16), seq_ids), position_ids=positions)
+    alone_out = target(doc_b)
+    # Rows of doc_b whose TTT inputs all stay inside doc_b: step k reads token i + k + 1.
+    eagle3 = build("eagle3", target, ttt_steps=3)
+    packed_steps = eagle3.unroll(packed_out.aux_hidden, packed, positions, block_causal_mask(torch.ones(1, 16), seq_ids))
+    alone_steps = eagle3.unroll(alone_out.aux_hidden, doc_b, torch.arange(7)[None], block_causal_mask(torch.ones(1, 7)))
+    for k in range(3):
+        rows = 7 - k - 1
+        assert torch.allclose(packed_steps[k][:, 9 : 9 + rows], alone_steps[k][:, :rows], atol=1e-5)
+
+    eagle1 = build("eagle1", target)
+    packed_pred = eagle1.draft_step(packed_out.last_hidden, shift_left(packed, 1), positions,
+                                    mask=block_causal_mask(torch.ones(1, 16), seq_ids))
+    alone_pred = eagle1.draft_step(alone_out.last_hidden, shift_left(doc_b, 1), torch.arange(7)[None],
+                                   mask=block_causal_mask(torch.ones(1, 7)))
+    assert torch.allclose(packed_pred[:, 9:15], alone_pred[:, :6], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_packing_mask_is_applied_to_the_loss(family):
+    """Predictions that would cross into the next document are not counted."""
+    target = tiny_target()
+    T = 16
+    batch = make_batch(B=1, T=T)
+    batch["seq_ids"] = torch.tensor([[0] * 8 + [1] * 8])
+    batch["position_ids"] = torch.cat([torch.arange(8), torch.arange(8)])[None]
+    target_out = target.forward_batch(batch)
+    drafter = build(family, target, **FAMILY_CFG[family]).eval()
+    loss = drafter.compute_loss(batch, target_out).loss
+    # Perturb the target's distribution exactly where a cross-document prediction would read it.
+    tampered = target_out.slice(slice(0, T))
+    tampered.logits = target_out.logits.clone()
+    tampered.logits[:, 7] = torch.randn(VOCAB) * 10  # position 7 predicts token 8, the next document's first
+    assert drafter.compute_loss(batch, tampered).loss.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_save_load_gives_identical_logits(family, arch, tmp_path):
+    target = tiny_target(arch)
+    batch = make_batch()
+    target_out = target.forward_batch(batch)
+    drafter = build(family, target, **FAMILY_CFG[family])
+    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=3e-3)
+    for _ in range(2):  # move away from the initialisation
+        drafter.compute_loss(batch, target_out).loss.backward()
+        optimizer.step()
+    drafter.save_pretrained(tmp_path / "drafter")
+    drafter.save_pretrained(tmp_path / "drafter")  # overwriting a saved drafter is fine
+
+    loaded = load_drafter(tmp_path / "drafter", target)
+    assert type(loaded) is type(drafter)
+    for a, b in ((drafter.eval(), loaded.eval()),):
+        assert torch.equal(a.compute_loss(batch, target_out).loss, b.compute_loss(batch, target_out).loss)
+        features = a.draft_input(a.target_features(target_out))
+        mask = block_causal_mask(batch["attention_mask"])
+        positions = torch.arange(24).expand(2, 24)
+        out_a = a.draft_logits(a.draft_step(features, shift_left(batch["input_ids"], 1), positions, mask=mask))
+        out_b = b.draft_logits(b.draft_step(features, shift_left(batch["input_ids"], 1), positions, mask=mask))
+        assert torch.equal(out_a, out_b)
+
+    saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert saved["family"] == family
+    assert saved["target_config"]["hidden_size"] == 64 and saved["target_config"]["model_type"] == arch
+    assert saved["target_taps"] == (target.taps if family == "eagle3" else [])
+    assert saved["draft_vocab_size"] == VOCAB
+    tensors = load_file(tmp_path / "drafter" / "model.safetensors")
+    assert set(tensors) == set(drafter.state_dict())
+    assert not any(f.name.startswith(".") for f in tmp_path.iterdir())  # no temporary folders left
+
+
+def test_eagle3_with_a_reduced_vocabulary_saves_and_loads_the_map(tmp_path):
+    target = tiny_target()
+    keep = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:40]
+    vocab = DraftVocab.from_target_ids(keep, VOCAB)
+    drafter = EAGLE3.build(target, Eagle3Config(ttt_steps=2, draft_vocab_size=40), vocab)
+    assert drafter.lm_head.weight.shape == (40, 64)
+    assert torch.equal(drafter.draft_to_target, torch.sort(keep).values)
+    batch = make_batch()
+    out = drafter.compute_loss(batch, target.forward_batch(batch))
+    assert torch.isfinite(out.loss)
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", target)
+    assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["draft_vocab_size"] == 40
+
+
+# -- sizing real models on the meta device ------------------------------------------------------
+
+LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   rope_theta=500000.0, max_position_embeddings=131072,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+
+
+def _hand_count(family, H, inner, heads, kv_heads, head_dim, qk_norm=False, draft_vocab=32000):
+    q, kv = heads * head_dim, kv_heads * head_dim
+    mlp = 3 * H * inner
+    if family == "eagle1":  # fc(2H -> H, bias) + a target layer without input norm
+        attention = H * q + 2 * H * kv + q * H + (2 * head_dim if qk_norm else 0)
+        return (2 * H * H + H) + attention + mlp + H
+    # eagle3: fc(3H -> H) + 2H-input attention + mlp + 4 norms + lm_head over the draft vocabulary
+    return 3 * H * H + (2 * H * q + 2 * (2 * H * kv) + q * H) + mlp + 4 * H + H * draft_vocab
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen3-8b"])
+def test_real_model_sizes_on_meta(family, model):
+    config = LlamaConfig(**LLAMA_31_8B) if model == "llama-3.1-8b" else Qwen3Config(**QWEN3_8B)
+    target = FrozenTarget.from_config(config, taps="eagle3", device="meta")
+    fam = get_family(family)
+    drafter = fam.build(target, fam.config_cls())
+    count = sum(p.numel() for p in drafter.trainable_parameters())
+    expected = _hand_count(family, 4096, config.intermediate_size, 32, 8, 128, qk_norm=model == "qwen3-8b")
+    assert count == expected
+    assert all(p.device.type == "meta" for p in drafter.parameters())
+    # Llama-3.1-8B by hand: EAGLE-1 251,666,432 and EAGLE-3 424,689,664 trainable parameters.
+    if model == "llama-3.1-8b":
+        assert count == {"eagle1": 251_666_432, "eagle3": 424_689_664}[family]
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_unknown_target_architecture_names_the_supported_ones(family):
+    gemma = GemmaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=VOCAB, head_dim=16)
+    target = FrozenTarget.from_config(gemma, taps="eagle3", device="meta")
+    with pytest.raises(SpecdraftError, match="LlamaDecoderLayer.*Qwen3DecoderLayer.*GemmaDecoderLayer"):
+        get_family(family).build(target, get_family(family).config_cls())
+
+
+def test_eagle3_needs_exactly_three_taps():
+    with pytest.raises(SpecdraftError, match="exactly 3 target layers"):
+        EAGLE3.build(tiny_target(taps=[1, 2]), Eagle3Config())
+
+
+def test_draft_vocab_larger_than_the_targets_is_refused():
+    target = tiny_target()
+    too_big = DraftVocab(d2t=torch.zeros(VOCAB + 10, dtype=torch.long), t2d=torch.ones(VOCAB + 10, dtype=torch.bool))
+    with pytest.raises(SpecdraftError, match="does not fit the target's vocabulary of 256"):
+        EAGLE3.build(target, Eagle3Config(), too_big)
+    with pytest.raises(SpecdraftError, match="full vocabulary"):
+        EAGLE1.build(target, Eagle1Config(), DraftVocab.from_target_ids(torch.arange(10), VOCAB))
+
+
+def test_reduced_vocab_without_a_map_is_refused_off_meta():
+    target = tiny_target()
+    with pytest.raises(SpecdraftError, match="build_draft_vocab"):
+        EAGLE3.build(target, Eagle3Config(draft_vocab_size=100))
+    # draft_vocab_size >= the target's vocabulary (or None) means the full vocabulary.
+    assert EAGLE3.build(target, Eagle3Config(draft_vocab_size=32000)).lm_head.out_features == VOCAB
+    assert EAGLE3.build(target, Eagle3Config(draft_vocab_size=None)).lm_head.out_features == VOCAB
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Eagle3Config(ttt_steps=0), "ttt_steps"),
+        (lambda: Eagle3Config(step_weight_decay=0.0), "step_weight_decay"),
+        (lambda: Eagle3Config(draft_vocab_size=0), "draft_vocab_size"),
+        (lambda: Eagle1Config(noise="gaussian"), "noise"),
+    ],
+)
+def test_bad_config_values(make, match):
+    with pytest.raises(SpecdraftError, match=match):
+        make()
+
+
+def test_loading_onto_the_wrong_target_is_refused(tmp_path):
+    target = tiny_target()
+    build("eagle3", target, ttt_steps=1).save_pretrained(tmp_path / "d")
+    wide = FrozenTarget.from_config(LlamaConfig(**{**COMMON, "hidden_size": 128}), taps="eagle3", device="cpu")
+    with pytest.raises(SpecdraftError, match="hidden_size=64"):
+        load_drafter(tmp_path / "d", wide)
+    with pytest.raises(SpecdraftError, match="taps"):
+        load_drafter(tmp_path / "d", tiny_target(taps=[0, 1, 2]))
+    with pytest.raises(SpecdraftError, match="not 'eagle1'"):
+        EAGLE1.load(tmp_path / "d", target)
+
+
+def test_saving_over_a_foreign_folder_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SpecdraftError, match="not a saved drafter"):
+        build("eagle1", tiny_target()).save_pretrained(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_casting_the_drafter_leaves_the_target_and_rope_alone():
+    target = tiny_target()
+    drafter = build("eagle3", target).to(torch.bfloat16)
+    assert drafter.fc.weight.dtype == torch.bfloat16
+    assert target.embed_tokens.weight.dtype == torch.float32  # borrowed, not owned
+    assert drafter.rotary_emb.inv_freq.dtype == torch.float32  # RoPE frequencies are not rounded

@@ -1,0 +1,199 @@
+"""Toy target: corpus split, chat template, tiny end-to-end build, and the shipped checkpoint."""
+
+import json
+import pathlib
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdraft.errors import SpecdraftError
+from specdraft.toy_target import (
+    ToyRecipe,
+    build_toy_target,
+    decay_start_step,
+    distinct_ngram_ratio,
+    heldout_loss,
+    is_heldout,
+    list_source_files,
+    longest_repeated_suffix,
+    lr_at,
+    render_chat,
+    split_files,
+    toy_target_path,
+    total_steps_from,
+)
+
+TINY = ToyRecipe(
+    vocab_size=320, hidden_size=32, num_layers=7, num_heads=2, num_kv_heads=1, intermediate_size=64,
+    max_position_embeddings=1024, seq_len=64, batch_size=2, warmup_steps=2, heldout_percent=20.0,
+    max_files=16, eval_prompts=1, eval_new_tokens=8,
+)
+
+
+def write(root: pathlib.Path, rel: str, text: str = "x = 1\n") -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# --------------------------------------------------------------------------- corpus and split
+
+
+def test_source_files_exclude_tests_and_generated_tables(tmp_path):
+    for rel in ["a.py", "pkg/b.py", "pkg/helper_testing.py"]:
+        write(tmp_path, rel)
+    for rel in ["test/test_a.py", "test/support.py", "pkg/tests/c.py", "idlelib/idle_test/d.py",
+                "pkg/test_e.py", "pkg/e_test.py", "unittest/test/testmock/f.py", "site-packages/g.py",
+                "config-3.11-x86_64-linux-gnu/python-config.py"]:
+        write(tmp_path, rel)
+    write(tmp_path, "encodings/cp9.py", '""" Python Character Mapping Codec generated from gencodec.py """\n')
+    write(tmp_path, "empty.py", "\n")
+
+    assert sorted(list_source_files(tmp_path)) == ["a.py", "pkg/b.py", "pkg/helper_testing.py"]
+
+
+def test_real_stdlib_listing_has_no_test_files():
+    files = list_source_files()
+    assert len(files) > 300
+    bad = [rel for rel in files if re.search(r"(^|/)(test|tests|idle_test)/|(^|/)test_[^/]*\.py$", rel)]
+    assert bad == []
+
+
+def test_split_is_file_level_deterministic_and_near_the_requested_share(tmp_path):
+    files = {f"pkg{i % 7}/mod_{i}.py": f"value = {i}\n" for i in range(400)}
+    train, heldout = split_files(files, heldout_percent=10.0)
+    assert set(train) | set(heldout) == set(files) and not set(train) & set(heldout)
+    assert 20 <= len(heldout) <= 60  # 10% of 400, allowing for hash noise
+    assert split_files(dict(reversed(list(files.items()))), 10.0)[1] == heldout  # order does not matter
+    assert all(is_heldout(rel, 10.0) for rel in heldout)
+    assert split_files(files, 10.0)[1].keys() <= split_files(files, 20.0)[1].keys()  # nested by percent
+
+    with pytest.raises(SpecdraftError, match="--heldout-percent"):
+        split_files({"only.py": "x = 1\n"}, heldout_percent=5.0)
+
+
+# --------------------------------------------------------------------------- measures and schedule
+
+
+def test_distinct_ngram_ratio():
+    assert distinct_ngram_ratio([1, 2, 3, 4, 5, 6]) == 1.0
+    assert distinct_ngram_ratio([1, 2] * 10) == pytest.approx(2 / 17)  # 17 4-grams, 2 distinct
+    assert distinct_ngram_ratio([1, 2]) == 1.0  # too short to repeat
+
+
+def test_longest_repeated_suffix():
+    assert longest_repeated_suffix([1, 2, 3, 4, 5]) == 0
+    assert longest_repeated_suffix([1, 2, 3, 1, 2, 3, 1, 2, 3]) == 6  # loop of period 3: L - p
+    assert longest_repeated_suffix([7, 1, 2, 9, 1, 2]) == 2
+
+
+def test_lr_schedule_is_warmup_stable_decay():
+    recipe = ToyRecipe(lr=1.0, warmup_steps=10, decay_fraction=0.25, min_lr_ratio=0.1)
+    assert lr_at(0, 100, recipe) == pytest.approx(0.1)
+    assert lr_at(9, 100, recipe) == pytest.approx(1.0)
+    assert lr_at(74, 100, recipe) == 1.0 and lr_at(50, None, recipe) == 1.0
+    assert lr_at(75, 100, recipe) == 1.0  # decay starts at step 75 of 100 ...
+    assert lr_at(99, 100, recipe) == pytest.approx(1 - 0.9 * 24 / 25)  # ... and ends near 0.1
+    # --minutes fixes the length when the decay is due; replaying it keeps the stable phase identical
+    for step in [0, 1, 37, 300, 301, 302]:
+        total = total_steps_from(step, recipe)
+        assert decay_start_step(total, recipe) >= step  # no step already taken would decay on replay
+        assert total == step or decay_start_step(total - 1, recipe) < step  # and it is the shortest such run
+
+
+# --------------------------------------------------------------------------- tiny build
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy") / "tiny"
+    return build_toy_target(out, steps=3, seed=0, recipe=TINY)
+
+
+def test_tiny_build_is_a_normal_transformers_folder(tiny_target):
+    names = {p.name for p in tiny_target.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "build_record.json"} <= names
+    assert not list(tiny_target.parent.glob(".tiny.tmp-*"))  # written then renamed
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_hidden_layers == 7 and model.config.num_key_value_heads < model.config.num_attention_heads
+    assert model.config.vocab_size == len(tokenizer) == 320
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|end|>")
+    assert tokenizer.pad_token == "<|pad|>"
+
+    record = json.loads((tiny_target / "build_record.json").read_text())
+    assert record["steps"] == 3 and record["seed"] == 0
+    assert all(is_heldout(rel, TINY.heldout_percent) for rel in record["heldout_files"])
+    # The recorded held-out loss is the saved (bf16) model's, recomputable from the folder alone.
+    saved = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    texts = [list_source_files()[rel] for rel in record["heldout_files"]]
+    loss, tokens = heldout_loss(saved, tokenizer, texts, TINY.seq_len)
+    assert tokens == record["heldout_tokens"] and loss == pytest.approx(record["heldout_loss"], abs=1e-4)
+    assert 3.0 < loss < 7.0  # 3 steps from a uniform start: near ln(320) = 5.77, not yet learned
+    with pytest.raises(SpecdraftError, match="--overwrite"):
+        build_toy_target(tiny_target, steps=1, recipe=TINY)
+
+
+def test_tiny_build_is_deterministic_given_the_seed(tiny_target, tmp_path):
+    again = build_toy_target(tmp_path / "again", steps=3, seed=0, recipe=TINY)
+    assert (again / "tokenizer.json").read_bytes() == (tiny_target / "tokenizer.json").read_bytes()
+    assert (again / "model.safetensors").read_bytes() == (tiny_target / "model.safetensors").read_bytes()
+
+
+def test_chat_template_matches_training_text_and_marks_assistant_tokens(tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    answer = "def area(r):\n    return 3.14 * r * r\n"
+    messages = [{"role": "user", "content": "Write the function `area`."}, {"role": "assistant", "content": answer}]
+
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == render_chat(messages[0]["content"], answer)
+    prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|assistant|>\n")
+
+    out = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    masked = [t for t, keep in zip(out["input_ids"], out["assistant_masks"]) if keep]
+    assert tokenizer.decode(masked) == answer + "<|end|>"  # exactly the answer and its end token
+    with pytest.raises(Exception, match="roles are system, user and assistant"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+# --------------------------------------------------------------------------- shipped checkpoint
+
+
+def test_shipped_checkpoint_loads_fits_and_its_recorded_loss_recomputes():
+    path = toy_target_path()
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    assert size <= 12 * 1024 * 1024, f"shipped toy target is {size / 2**20:.1f} MiB"
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = model.config
+    assert config.num_hidden_layers >= 7 and config.max_position_embeddings >= 1024
+    assert config.num_key_value_heads < config.num_attention_heads
+    assert len(set([2, config.num_hidden_layers // 2, config.num_hidden_layers - 3])) == 3  # EAGLE-3 taps
+
+    record = json.loads((path / "build_record.json").read_text())
+    build_md = (path / "BUILD.md").read_text()
+    assert f"{record['heldout_loss']:.4f}" in build_md  # the documented figure is the recorded one
+    assert record["command"] in build_md
+
+    for check in record["check_files"]:
+        assert check["path"] in record["heldout_files"] and is_heldout(check["path"], record["recipe"]["heldout_percent"])
+        loss, tokens = heldout_loss(model, tokenizer, [check["text"]], record["recipe"]["seq_len"])
+        assert tokens == check["tokens"]
+        assert loss == pytest.approx(check["loss"], abs=0.01)
+
+
+def test_shipped_checkpoint_greedy_chat_answer_replays():
+    path = toy_target_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    sample = next(s for s in json.loads((path / "build_record.json").read_text())["loops"]["samples"] if s["kind"] == "chat")
+
+    prompt_ids = tokenizer(sample["prompt"], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(prompt_ids, max_new_tokens=24, do_sample=False)
+    replay = tokenizer.decode(out[0, prompt_ids.shape[1]:])
+    assert sample["greedy"].startswith(replay)
