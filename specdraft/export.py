@@ -256,7 +256,7 @@ def eagle1_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[d
     tc = saved["target_config"]
     attention_bias = bool(tc.get("attention_bias", False))
     out = dict(tensors)
-    if False:
+    if "fc.bias" not in out:
         out["fc.bias"] = torch.zeros_like(out["fc.weight"][:, 0])
     _check_tensor_names(set(out), _eagle1_tensors(kind, attention_bias, fc_bias=True), f"SGLang's {models[kind]}")
     config = {"architectures": [models[kind]], **_layer_fields(saved, tensors, kind, tc["vocab_size"]), "bias": False}

@@ -69,6 +69,11 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, is_main: bool)
         shutil.rmtree(run_dir)
 
 
+def cache_home() -> Path:
+    """Where reusable derived files (draft vocabularies) live: $SPECDRAFT_CACHE or ~/.cache/specdraft."""
+    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+
+
 def load_target(recipe: Recipe, device) -> FrozenTarget:
     cfg = recipe.target
     return FrozenTarget.from_pretrained(
@@ -143,7 +148,7 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     from accelerate.utils import DataLoaderConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from .data.collate import Collator
+    from .data.collate import Collator, pad_token_id_of
     from .data.pipeline import build_datasets
     from .features import open_feature_caches, with_sample_index
 
@@ -166,18 +171,20 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
     draft_vocab = None
     if family.needs_draft_vocab:
+        from .data.pipeline import vocab_cache_key_parts
         from .data.vocab import build_draft_vocab
 
         draft_vocab = build_draft_vocab(
-            train_ds, target.vocab_size, recipe.drafter.draft_vocab_size,
-            cache_dir=run_dir / "cache", cache_key_parts=[recipe.data.path, recipe.target.path],
+            train_ds, target.vocab_size, recipe.drafter.draft_vocab_size or target.vocab_size,
+            cache_dir=cache_home() / "draft_vocab",
+            cache_key_parts=vocab_cache_key_parts(recipe.data, target.tokenizer),
         )
     drafter = family.build(target, recipe.drafter, draft_vocab)
     step_module = TrainStep(drafter)
 
     o = recipe.optimizer
     optimizer = torch.optim.AdamW(param_groups(step_module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    collate = Collator(target.tokenizer.pad_token_id or 0, recipe.data.max_length, recipe.data.packing)
+    collate = Collator(pad_token_id_of(target.tokenizer), recipe.data.max_length, recipe.data.packing)
     features = open_feature_caches(recipe, target)
     if features is not None:  # offline mode: batches carry sample indices to find their cached features
         train_ds = train_ds.add_column("sample_index", list(range(len(train_ds))))

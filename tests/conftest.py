@@ -10,3 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Keep derived caches (draft vocabularies) out of the user's home during tests.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("SPECDRAFT_CACHE", tempfile.mkdtemp(prefix="specdraft-cache-"))

@@ -3,6 +3,7 @@
 import json
 import pathlib
 import re
+import sysconfig
 
 import pytest
 import torch
@@ -25,10 +26,11 @@ from specdraft.toy_target import (
     total_steps_from,
 )
 
+STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TINY = ToyRecipe(
     vocab_size=320, hidden_size=32, num_layers=7, num_heads=2, num_kv_heads=1, intermediate_size=64,
     max_position_embeddings=1024, seq_len=64, batch_size=2, warmup_steps=2, heldout_percent=20.0,
-    max_files=16, eval_prompts=1, eval_new_tokens=8,
+    eval_prompts=1, eval_new_tokens=8,
 )
 
 
@@ -107,12 +109,25 @@ def test_lr_schedule_is_warmup_stable_decay():
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
+def small_stdlib(tmp_path_factory):
+    """20 small real stdlib modules (4 of them held out at 20%) plus a test file that must be ignored."""
+    small = sorted(rel for rel, text in list_source_files().items() if 2_000 < len(text) < 8_000)
+    chosen = [rel for rel in small if not is_heldout(rel, TINY.heldout_percent)][:16]
+    chosen += [rel for rel in small if is_heldout(rel, TINY.heldout_percent)][:4]
+    root = tmp_path_factory.mktemp("stdlib")
+    for rel in chosen:
+        write(root, rel, (STDLIB / rel).read_text())
+    write(root, "test/test_secret.py", "SECRET_TEST_TOKEN = 1\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, small_stdlib):
     out = tmp_path_factory.mktemp("toy") / "tiny"
-    return build_toy_target(out, steps=3, seed=0, recipe=TINY)
+    return build_toy_target(out, steps=3, seed=0, recipe=TINY, stdlib_dir=small_stdlib)
 
 
-def test_tiny_build_is_a_normal_transformers_folder(tiny_target):
+def test_tiny_build_is_a_normal_transformers_folder(tiny_target, small_stdlib):
     names = {p.name for p in tiny_target.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "build_record.json"} <= names
     assert not list(tiny_target.parent.glob(".tiny.tmp-*"))  # written then renamed
@@ -130,7 +145,8 @@ def test_tiny_build_is_a_normal_transformers_folder(tiny_target):
     assert all(is_heldout(rel, TINY.heldout_percent) for rel in record["heldout_files"])
     # The recorded held-out loss is the saved (bf16) model's, recomputable from the folder alone.
     saved = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
-    texts = [list_source_files()[rel] for rel in record["heldout_files"]]
+    assert record["train_files"] == 16 and len(record["heldout_files"]) == 4  # test/ excluded
+    texts = [(small_stdlib / rel).read_text() for rel in record["heldout_files"]]
     loss, tokens = heldout_loss(saved, tokenizer, texts, TINY.seq_len)
     assert tokens == record["heldout_tokens"] and loss == pytest.approx(record["heldout_loss"], abs=1e-4)
     assert 3.0 < loss < 7.0  # 3 steps from a uniform start: near ln(320) = 5.77, not yet learned
@@ -138,8 +154,8 @@ def test_tiny_build_is_a_normal_transformers_folder(tiny_target):
         build_toy_target(tiny_target, steps=1, recipe=TINY)
 
 
-def test_tiny_build_is_deterministic_given_the_seed(tiny_target, tmp_path):
-    again = build_toy_target(tmp_path / "again", steps=3, seed=0, recipe=TINY)
+def test_tiny_build_is_deterministic_given_the_seed(tiny_target, small_stdlib, tmp_path):
+    again = build_toy_target(tmp_path / "again", steps=3, seed=0, recipe=TINY, stdlib_dir=small_stdlib)
     assert (again / "tokenizer.json").read_bytes() == (tiny_target / "tokenizer.json").read_bytes()
     assert (again / "model.safetensors").read_bytes() == (tiny_target / "model.safetensors").read_bytes()
 

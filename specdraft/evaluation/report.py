@@ -1,0 +1,184 @@
+"""Eval results as a terminal table, JSON, Markdown, PNG plots and (optionally) a wandb.Table.
+
+``result`` is what ``specdraft.evaluation.run.evaluate`` returns:
+  {"config": {...}, "methods": {name: {"overall": summary, "by_suite": {..}, "by_category": {..}}},
+   "greedy_identical": {name: fraction of decodes identical to plain decoding} (greedy runs only)}
+with each summary from ``specdraft.evaluation.metrics.summarize``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from specdraft.evaluation.metrics import MAX_RECOMMENDED_K, predicted_speedup
+
+# (header, summary key, format); None values print as "-".
+COLUMNS = [
+    ("decodes", "num_decodes", "{:d}"),
+    ("tokens", "num_tokens", "{:d}"),
+    ("tau", "acceptance_length", "{:.2f}"),
+    ("alpha", "alpha_measured", "{:.3f}"),
+    ("alpha pred", "alpha_predicted", "{:.3f}"),
+    ("c", "draft_cost_ratio", "{:.3f}"),
+    ("tok/s", "tokens_per_second", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("pred speedup", "predicted_speedup", "{:.2f}x"),
+    ("best K", "recommended_k", "{:d}"),
+    ("pred @ best K", "predicted_speedup_at_recommended_k", "{:.2f}x"),
+]
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """One row per method and group: overall, then per suite and per category when there are several."""
+    rows = []
+    for method, groups in result["methods"].items():
+        rows.append([method, "all", *_cells(groups["overall"])])
+        for key, label in (("by_suite", "suite"), ("by_category", "category")):
+            if len(groups[key]) > 1:
+                rows += [[method, f"{label}: {name}", *_cells(summary)] for name, summary in groups[key].items()]
+    return rows
+
+
+def headers() -> list[str]:
+    return ["method", "group", *[header for header, _, _ in COLUMNS]]
+
+
+def format_table(result: dict) -> str:
+    """A plain-text table with aligned columns, for the terminal."""
+    rows = [headers(), *table_rows(result)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + _footnotes(result))
+
+
+def format_markdown(result: dict) -> str:
+    rows = [headers(), *table_rows(result)]
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join(["---"] * 2 + ["---:"] * len(COLUMNS)) + "|")
+    return "\n".join(lines + [""] + _footnotes(result)) + "\n"
+
+
+def write_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """result.json, report.md, acceptance_by_position.png, speedup_heatmap.png in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out_dir / "result.json",
+        "markdown": out_dir / "report.md",
+        "acceptance_plot": out_dir / "acceptance_by_position.png",
+        "speedup_heatmap": out_dir / "speedup_heatmap.png",
+    }
+    paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
+    paths["markdown"].write_text(f"# specdraft eval\n\n{_config_line(result)}\n\n{format_markdown(result)}")
+    plot_acceptance_by_position(result, paths["acceptance_plot"])
+    plot_speedup_heatmap(result, paths["speedup_heatmap"])
+    return paths
+
+
+def plot_acceptance_by_position(result: dict, path: Path) -> None:
+    """Conditional acceptance rate of draft position i (given 1..i-1 accepted), one line per method."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, groups in result["methods"].items():
+        rates = groups["overall"]["position_acceptance"]
+        points = [(i + 1, r) for i, r in enumerate(rates) if r is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=method)
+    ax.set(xlabel="draft position", ylabel="acceptance rate (given earlier drafts accepted)", ylim=(0, 1.02))
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_speedup_heatmap(result: dict, path: Path) -> None:
+    """Predicted speedup over alpha x K at each method's measured c, with the measured (alpha, K) marked."""
+    plt = _pyplot()
+    measured = [(m, g["overall"]) for m, g in result["methods"].items()
+                if g["overall"]["alpha_measured"] is not None and g["overall"]["draft_cost_ratio"] is not None]  # fmt: skip
+    k = result["config"]["k"]
+    fig, axes = plt.subplots(1, max(1, len(measured)), figsize=(5 * max(1, len(measured)), 4), squeeze=False)
+    alphas = [i / 50 for i in range(50)]  # 0 .. 0.98
+    ks = list(range(1, MAX_RECOMMENDED_K + 1))
+    for ax, (method, summary) in zip(axes[0], measured):
+        c = summary["draft_cost_ratio"]
+        grid = [[predicted_speedup(a, kk, c) for a in alphas] for kk in ks]
+        image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis",
+                          extent=(0, 1, ks[0] - 0.5, ks[-1] + 0.5))  # fmt: skip
+        ax.contour([a + 0.01 for a in alphas], ks, grid, levels=[1.0], colors="white", linewidths=1)
+        ax.plot(summary["alpha_measured"], k, marker="*", markersize=16, color="red", label=f"measured (K={k})")
+        ax.plot(summary["alpha_measured"], summary["recommended_k"], marker="o", color="orange", label="best K")
+        ax.set(xlabel="alpha", ylabel="K", title=f"{method}: predicted speedup (c={c:.3f}; white = 1x)")
+        ax.legend(loc="upper left", fontsize=8)
+        fig.colorbar(image, ax=ax)
+    if not measured:
+        axes[0][0].text(0.5, 0.5, "no drafting method measured", ha="center", va="center")
+        axes[0][0].set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def log_wandb(result: dict, run) -> None:
+    """Log the table (and the config) to an open wandb run; WANDB_MODE=offline works."""
+    import wandb
+
+    run.log({"eval/table": wandb.Table(columns=headers(), data=table_rows(result))})
+    for method, groups in result["methods"].items():
+        run.summary[f"eval/{method}/acceptance_length"] = groups["overall"]["acceptance_length"]
+        run.summary[f"eval/{method}/speedup"] = groups["overall"]["speedup"]
+
+
+def _cells(summary: dict) -> list[str]:
+    return [_fmt(summary.get(key), fmt) for _, key, fmt in COLUMNS]
+
+
+def _fmt(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def _config_line(result: dict) -> str:
+    cfg = result["config"]
+    parts = [f"K={cfg['k']}", f"temperature={cfg['temperature']}", f"top_k={cfg['top_k']}", f"top_p={cfg['top_p']}",
+             f"max_new_tokens={cfg['max_new_tokens']}", f"prompts={cfg['num_prompts']}", f"device={cfg['device']}"]  # fmt: skip
+    return ", ".join(parts)
+
+
+def _footnotes(result: dict) -> list[str]:
+    notes = [
+        "tau = tokens per target forward (bonus included); alpha = accepted / tested drafts; alpha pred = mean "
+        "sum_x min(p, q); c = draft time per token / target time per forward; speedup = tok/s over plain decoding "
+        "in the same run; pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c))."
+    ]
+    cfg = result["config"]
+    if cfg.get("lenience", 1.0) < 1.0 or cfg.get("typical_acceptance"):
+        notes.append("LOSSY verification (lenience < 1 or typical acceptance): output differs from the target's.")
+    identical = result.get("greedy_identical")
+    if identical:
+        notes.append("greedy outputs identical to plain decoding: "
+                     + ", ".join(f"{m} {v:.0%}" for m, v in identical.items()))  # fmt: skip
+    return notes
+
+
+def _json_default(value):
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt

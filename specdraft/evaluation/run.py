@@ -1,0 +1,268 @@
+"""``specdraft eval``: acceptance length, acceptance rate and measured speedup of drafters.
+
+Every method (each drafter, a draft LM, prompt lookup) and plain decoding run on the
+same prompts in one process, prompt by prompt, so the speedups compare like with like.
+``evaluate(...)`` is the Python API (the quickstart calls it); ``add_arguments``/``run``
+are the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from specdraft.decoding.sampling import SamplingParams
+from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
+from specdraft.decoding.speculative import DecodeOutput, plain_decode, speculative_decode
+from specdraft.drafters.base import DraftSource
+from specdraft.errors import SpecdraftError
+from specdraft.evaluation import report
+from specdraft.evaluation.metrics import summarize
+from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
+
+PLAIN = "plain"
+
+
+def evaluate(
+    target,  # FrozenTarget (with .tokenizer, or pass tokenizer=)
+    sources: dict[str, DraftSource | Callable[[], DraftSource]],
+    prompts: list[Prompt] | str | Path | list[str | Path],  # Prompts, or suite file(s)/folder(s)
+    params: SamplingParams = SamplingParams(),
+    k: int = 5,
+    max_new_tokens: int = 128,
+    out_dir: str | Path | None = None,
+    *,
+    tokenizer=None,
+    num_prompts: int | None = None,
+    prefix_tokens: int = 128,
+    seed: int = 0,
+    lenience: float = 1.0,
+    typical_acceptance: bool = False,
+    wandb_run=None,
+    show_progress: bool = True,
+) -> dict:
+    """Decode every prompt with plain decoding and with each source; return (and write) the report dict."""
+    tokenizer = tokenizer or getattr(target, "tokenizer", None)
+    if tokenizer is None:
+        raise SpecdraftError("evaluate needs the target's tokenizer: load the target with from_pretrained or pass tokenizer=.")
+    if PLAIN in sources:
+        raise SpecdraftError(f"{PLAIN!r} names the plain-decoding baseline, which always runs; rename that source.")
+    prompts = _as_prompts(prompts, num_prompts)
+    methods = {PLAIN: None, **{name: _instantiate(s) for name, s in sources.items()}}
+    device = target.device
+    stop_ids = _stop_ids(target, tokenizer)
+
+    def decode(source, ids: list[int], generator_seed: int, max_new: int) -> DecodeOutput:
+        prompt_ids = torch.tensor([ids], device=device)
+        g = torch.Generator(device=device).manual_seed(generator_seed)
+        common = dict(params=params, max_new_tokens=max_new, eos_token_ids=stop_ids, generator=g)
+        if source is None:
+            return plain_decode(target, prompt_ids, **common)
+        return speculative_decode(target, source, prompt_ids, k=k, lenience=lenience,
+                                  typical_acceptance=typical_acceptance, **common)  # fmt: skip
+
+    # Warm up every method (lazy initialisation, allocator) so the first timed decode is not penalised.
+    warmup_ids = prompt_token_ids(tokenizer, prompts[0], prefix_tokens=prefix_tokens)
+    for source in methods.values():
+        decode(source, warmup_ids, seed, min(8, max_new_tokens))
+
+    # records[method] = [(prompt, output), ...]; every method sees the same prompts and seeds.
+    records: dict[str, list[tuple[Prompt, DecodeOutput]]] = {name: [] for name in methods}
+    bar = tqdm(total=sum(len(p.turns) for p in prompts) * len(methods), desc="eval", unit="decode",
+               disable=not show_progress)  # fmt: skip
+    for index, prompt in enumerate(prompts):
+        for name, source in methods.items():
+            answers = []
+            for turn in range(len(prompt.turns)):
+                ids = prompt_token_ids(tokenizer, prompt, answers, prefix_tokens)
+                out = decode(source, ids, seed + 1000 * index + turn, max_new_tokens)
+                records[name].append((prompt, out))
+                # Multi-turn: this method's own answer is the context of the next turn.
+                answers.append(tokenizer.decode([t for t in out.tokens if t not in stop_ids], skip_special_tokens=True))
+                bar.update(1)
+    bar.close()
+
+    result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device),
+              "methods": {name: _summaries(records[name], records[PLAIN], k) for name in methods}}  # fmt: skip
+    if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
+        plain_tokens = [out.tokens for _, out in records[PLAIN]]
+        result["greedy_identical"] = {
+            name: sum(out.tokens == ref for (_, out), ref in zip(records[name], plain_tokens)) / len(plain_tokens)
+            for name in methods if name != PLAIN
+        }  # fmt: skip
+    if out_dir is not None:
+        result["files"] = {key: str(path) for key, path in report.write_report(result, out_dir).items()}
+    if wandb_run is not None:
+        report.log_wandb(result, wandb_run)
+    return result
+
+
+def _summaries(records, plain_records, k) -> dict:
+    """Overall, per suite and per category; plain decoding of the same prompts gives the speedup."""
+
+    def group(key):
+        out = {}
+        for value in dict.fromkeys(key(p) for p, _ in records):
+            outputs = [o for p, o in records if key(p) == value]
+            plain = [o for p, o in plain_records if key(p) == value]
+            out[value] = summarize(outputs, k, plain)
+        return out
+
+    return {
+        "overall": summarize([o for _, o in records], k, [o for _, o in plain_records]),
+        "by_suite": group(lambda p: p.suite),
+        "by_category": group(lambda p: p.category),
+    }
+
+
+def _as_prompts(prompts, num_prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, Path)):
+        prompts = [prompts]
+    if prompts and all(isinstance(p, Prompt) for p in prompts):
+        return list(prompts[:num_prompts] if num_prompts else prompts)
+    loaded = [p for path in prompts for p in load_suite(path, num_prompts)]
+    if not loaded:
+        raise SpecdraftError("no prompts to evaluate: pass --prompts FILE (a JSONL suite or a folder of .py files).")
+    return loaded
+
+
+def _instantiate(source):
+    """A DraftSource, or a zero-argument factory returning one."""
+    if isinstance(source, DraftSource):
+        return source
+    if callable(source):
+        return source()
+    raise SpecdraftError(f"sources must map names to DraftSource objects or factories, got {type(source).__name__}.")
+
+
+def _stop_ids(target, tokenizer) -> list[int]:
+    """EOS from the tokenizer and the target's generation config (which may list several)."""
+    ids = {tokenizer.eos_token_id}
+    generation_config = getattr(getattr(target, "model", None), "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device) -> dict:
+    return {
+        "k": k, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+        "max_new_tokens": max_new_tokens, "seed": seed, "lenience": lenience,
+        "typical_acceptance": typical_acceptance, "lossy": lenience < 1.0 or typical_acceptance,
+        "num_prompts": len(prompts), "suites": list(dict.fromkeys(p.suite for p in prompts)), "device": str(device),
+    }  # fmt: skip
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model folder or hub id ('toy' = the shipped toy target)")
+    parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
+                        help="a trained drafter folder (repeatable)")
+    parser.add_argument("--draft-model", action="append", default=[], metavar="PATH",
+                        help="an independent draft LM (e.g. a DistillSpec student; repeatable)")
+    parser.add_argument("--map-draft-vocab", action="store_true",
+                        help="allow a --draft-model whose tokenizer differs from the target's, mapping tokens by string")
+    parser.add_argument("--prompt-lookup", action="store_true", help="also evaluate n-gram prompt lookup (no model)")
+    parser.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
+                        help="suite(s): Spec-Bench/MT-bench question JSONL, JSONL with `prompt` or `text`, or a folder of .py files")
+    parser.add_argument("--num-prompts", type=int, default=None, help="per suite, spread evenly over the file")
+    parser.add_argument("--prefix-tokens", type=int, default=128, help="length of `text` / code prefixes")
+    parser.add_argument("-k", "--k", type=int, default=5, help="drafts per step")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", default=None, metavar="DIR", help="write result.json, report.md and PNG plots here")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lenience", type=float, default=1.0,
+                        help="LOSSY below 1: accept drafts while u < p / (lenience q) (default 1.0 = exact)")
+    parser.add_argument("--typical-acceptance", action="store_true",
+                        help="LOSSY: Medusa's typical acceptance instead of exact speculative sampling")
+    parser.add_argument("--wandb", action="store_true", help="log the table to Weights & Biases (WANDB_MODE=offline works)")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.drafters import load_drafter
+    from specdraft.target import FrozenTarget, resolve_dtype, resolve_target_path
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.k < 1:
+        raise SpecdraftError(f"-k must be >= 1, got {args.k}; 4-8 drafts per step is typical.")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = FrozenTarget.from_pretrained(
+        resolve_target_path(args.target), dtype=args.dtype, taps=_drafter_taps(args.drafter),
+        trust_remote_code=args.trust_remote_code, device=device,
+    )  # fmt: skip
+
+    sources: dict[str, Callable[[], DraftSource]] = {}
+    for path in args.drafter:
+        sources[_unique_name(sources, Path(path).name)] = lambda path=path: load_drafter(path, target).draft_source(target)
+    for path in args.draft_model:
+        draft_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype),
+                                                     trust_remote_code=args.trust_remote_code).to(device)  # fmt: skip
+        vocab_map = None
+        if draft_tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            if not args.map_draft_vocab:
+                raise SpecdraftError(
+                    f"the draft model {path} has a different tokenizer from the target; use a draft from the "
+                    "target's family, or pass --map-draft-vocab to map tokens by their strings."
+                )
+            vocab_map = vocab_map_from_tokenizers(draft_tokenizer, target.tokenizer,
+                                                  model.get_output_embeddings().weight.shape[0])  # fmt: skip
+        sources[_unique_name(sources, Path(path).name)] = DraftLMSource(model, vocab_map)
+    if args.prompt_lookup:
+        sources["prompt_lookup"] = PromptLookupSource()
+
+    wandb_run = None
+    if args.wandb:
+        import wandb
+
+        wandb_run = wandb.init(project="specdraft", job_type="eval", config=vars(args))
+    result = evaluate(
+        target, sources, args.prompts, params, k=args.k, max_new_tokens=args.max_new_tokens, out_dir=args.out,
+        num_prompts=args.num_prompts, prefix_tokens=args.prefix_tokens, seed=args.seed, lenience=args.lenience,
+        typical_acceptance=args.typical_acceptance, wandb_run=wandb_run, show_progress=not args.no_progress,
+    )  # fmt: skip
+    if wandb_run is not None:
+        wandb_run.finish()
+    print(report.format_table(result))
+    if args.out:
+        print(f"\nwrote {', '.join(result['files'].values())}")
+    return 0
+
+
+def _drafter_taps(drafter_dirs: list[str]) -> list[int] | None:
+    """The target layers the drafters read (all must agree: the target is built once)."""
+    taps = set()
+    for path in drafter_dirs:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise SpecdraftError(f"--drafter {path} is not a saved drafter (no config.json); point at a run's drafter folder.")
+        taps.add(tuple(json.loads(config_file.read_text()).get("target_taps") or ()))
+    taps.discard(())
+    if len(taps) > 1:
+        raise SpecdraftError(
+            f"the drafters read different target layers {sorted(taps)}; evaluate them in separate runs."
+        )
+    return list(taps.pop()) if taps else None
+
+
+def _unique_name(existing: dict, name: str) -> str:
+    candidate, i = name, 2
+    while candidate in existing or candidate == PLAIN:
+        candidate, i = f"{name}-{i}", i + 1
+    return candidate

@@ -1,0 +1,230 @@
+"""Prompt suites, ``evaluate`` end to end, and the ``specdraft eval`` command on tiny models."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from tiny import save_tiny_target, tiny_llama, tiny_tokenizer
+
+from specdraft.decoding.sampling import SamplingParams
+from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
+from specdraft.errors import SpecdraftError
+from specdraft.evaluation import run as eval_run
+from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
+from specdraft.target import FrozenTarget
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a short poem about the sea.", "Now make it shorter."]},
+    {"question_id": 82, "category": "qa", "turns": ["What is the capital of France?"]},
+    {"question_id": 83, "category": "qa", "turns": ["How many legs does a spider have?"]},
+]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# -- suites -----------------------------------------------------------------------------------
+
+
+def test_question_file(tmp_path):
+    prompts = load_suite(write_jsonl(tmp_path / "bench.jsonl", QUESTIONS))
+    assert [(p.id, p.category, p.kind, p.suite) for p in prompts] == [
+        ("81", "writing", "question", "bench"), ("82", "qa", "question", "bench"), ("83", "qa", "question", "bench"),
+    ]  # fmt: skip
+    assert prompts[0].turns == QUESTIONS[0]["turns"]
+
+
+def test_prompt_and_text_records_and_code_folder(tmp_path):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "Tell me a story."}, {"text": "def f(x):", "category": "py"}])
+    prompt, text = load_suite(path)
+    assert (prompt.kind, prompt.category, prompt.turns) == ("prompt", "prompt", ["Tell me a story."])
+    assert (text.kind, text.category) == ("text", "py")
+    (tmp_path / "code" / "pkg").mkdir(parents=True)
+    (tmp_path / "code" / "a.py").write_text("import os\n")
+    (tmp_path / "code" / "pkg" / "b.py").write_text("x = 1\n")
+    (tmp_path / "code" / "empty.py").write_text("\n")
+    (tmp_path / "code" / "notes.txt").write_text("not code")
+    code = load_suite(tmp_path / "code")
+    assert [(p.id, p.kind, p.category, p.suite) for p in code] == [("a.py", "text", "code", "code"),
+                                                                  ("pkg/b.py", "text", "code", "code")]  # fmt: skip
+
+
+def test_num_prompts_spreads_over_the_file(tmp_path):
+    records = [{"question_id": i, "category": f"c{i // 10}", "turns": ["q"]} for i in range(40)]
+    prompts = load_suite(write_jsonl(tmp_path / "q.jsonl", records), num_prompts=4)
+    assert [p.category for p in prompts] == ["c0", "c1", "c2", "c3"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "is empty"),
+        ("\n\n", "is empty"),
+        ('{"question_id": 1, "turns": ["hi"]}\n', "lacks \\['category'\\]"),
+        ('{"question_id": 1, "category": "x", "turns": "hi"}\n', "non-empty list"),
+        ('{"question_id": 1, "category": "x", "turns": []}\n', "non-empty list"),
+        ('{"question": "hi"}\n', "expected a question"),
+        ('{"prompt": ""}\n', "non-empty string"),
+        ("[1, 2]\n", "not a JSON object"),
+        ('{"prompt": "a"\n', "not valid JSON"),
+    ],
+)
+def test_bad_suite_files(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(SpecdraftError, match=message):
+        load_suite(path)
+
+
+def test_missing_suite_and_empty_folder(tmp_path):
+    with pytest.raises(SpecdraftError, match="does not exist"):
+        load_suite(tmp_path / "nope.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecdraftError, match="is empty"):
+        load_suite(tmp_path / "empty")
+
+
+def test_prompt_token_ids_multi_turn_and_prefixes():
+    tok = tiny_tokenizer()
+    question = Prompt("1", "s", "writing", "question", ["Write a poem.", "Shorter."])
+    first = prompt_token_ids(tok, question)
+    second = prompt_token_ids(tok, question, answers=["The sea is wide."])
+    assert tok.decode(first) == "<|bos|><|user|>\nWrite a poem.<|end|>\n<|assistant|>\n"
+    assert tok.decode(second) == (
+        "<|bos|><|user|>\nWrite a poem.<|end|>\n<|assistant|>\nThe sea is wide.<|eos|>"
+        "<|user|>\nShorter.<|end|>\n<|assistant|>\n"
+    )
+    text = Prompt("t", "s", "text", "text", ["The quick brown fox jumps over the lazy dog. " * 20])
+    assert prompt_token_ids(tok, text, prefix_tokens=10) == tok(text.turns[0])["input_ids"][:10]
+    # A `prompt` record is a chat turn when there is a template, raw text otherwise.
+    plain = Prompt("p", "s", "prompt", "prompt", ["Hello!"])
+    assert prompt_token_ids(tok, plain)[0] == tok.bos_token_id
+    no_template = tiny_tokenizer(chat_template=None)
+    assert prompt_token_ids(no_template, plain) == no_template("Hello!")["input_ids"]
+    with pytest.raises(SpecdraftError, match="no chat template"):
+        prompt_token_ids(no_template, question)
+
+
+# -- evaluate ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    tok = tiny_tokenizer()
+    return FrozenTarget(tiny_llama(len(tok), seed=0), tokenizer=tok)
+
+
+def test_evaluate_compares_methods_on_the_same_prompts(tmp_path, tiny_target):
+    suite = write_jsonl(tmp_path / "bench.jsonl", QUESTIONS)
+    code = tmp_path / "held_out"
+    code.mkdir()
+    (code / "mod.py").write_text("import os\nimport sys\n\n\ndef main():\n    return os.getcwd()\n" * 5)
+    draft = tiny_llama(len(tiny_target.tokenizer), seed=0)  # the target's own weights: everything accepted
+    result = eval_run.evaluate(
+        tiny_target, {"same": DraftLMSource(draft), "lookup": PromptLookupSource}, [suite, code],
+        k=3, max_new_tokens=12, out_dir=tmp_path / "out", show_progress=False,
+    )  # fmt: skip
+    methods = result["methods"]
+    assert list(methods) == ["plain", "same", "lookup"]
+    assert result["config"]["suites"] == ["bench", "held_out"]
+    # Greedy is lossless: every method emits exactly plain decoding's tokens.
+    assert result["greedy_identical"] == {"same": 1.0, "lookup": 1.0}
+    for name, groups in methods.items():
+        assert groups["overall"]["num_decodes"] == 5  # 4 question turns + 1 code prefix
+        assert set(groups["by_suite"]) == {"bench", "held_out"}
+        assert set(groups["by_category"]) == {"writing", "qa", "code"}
+        assert groups["by_category"]["writing"]["num_decodes"] == 2  # both turns answered
+    same = methods["same"]["overall"]
+    assert same["alpha_measured"] == 1.0 and same["alpha_predicted"] == 1.0
+    assert same["position_acceptance"] == [1.0, 1.0, 1.0]
+    assert same["acceptance_length"] == 4.0  # K + 1 tokens per target forward
+    assert methods["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    for key in ("json", "markdown", "acceptance_plot", "speedup_heatmap"):
+        assert (tmp_path / "out").joinpath(result["files"][key].split("/")[-1]).is_file()
+    saved = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert saved["methods"]["same"]["overall"]["acceptance_length"] == 4.0
+
+
+def test_evaluate_sampling_and_lossy_flags(tmp_path, tiny_target):
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:])
+    result = eval_run.evaluate(
+        tiny_target, {"lookup": PromptLookupSource()}, suite, SamplingParams(temperature=1.0, top_p=0.9),
+        k=2, max_new_tokens=6, lenience=0.5, show_progress=False,
+    )  # fmt: skip
+    assert result["config"]["lossy"] is True and "greedy_identical" not in result
+    assert result["methods"]["lookup"]["overall"]["num_tokens"] <= 12
+
+
+def test_evaluate_bad_input(tmp_path, tiny_target):
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:])
+    with pytest.raises(SpecdraftError, match="k \\(drafts per step\\)"):
+        eval_run.evaluate(tiny_target, {"lookup": PromptLookupSource()}, suite, k=0, show_progress=False)
+    with pytest.raises(SpecdraftError, match="baseline"):
+        eval_run.evaluate(tiny_target, {"plain": PromptLookupSource()}, suite, show_progress=False)
+    long_prompt = write_jsonl(tmp_path / "long.jsonl", [{"text": "the cat " * 600}])
+    with pytest.raises(SpecdraftError, match="max_position_embeddings"):
+        eval_run.evaluate(tiny_target, {}, long_prompt, prefix_tokens=2000, show_progress=False)
+    small_vocab_draft = DraftLMSource(tiny_llama(len(tiny_target.tokenizer) - 10))
+    with pytest.raises(SpecdraftError, match="vocab"):
+        eval_run.evaluate(tiny_target, {"draft": small_vocab_draft}, suite, show_progress=False)
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+
+def cli_args(argv):
+    parser = argparse.ArgumentParser()
+    eval_run.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    target_dir = save_tiny_target(tmp_path / "target")
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    args = cli_args([
+        "--target", str(target_dir), "--draft-model", str(target_dir), "--prompt-lookup", "--prompts", str(suite),
+        "--num-prompts", "2", "-k", "3", "--max-new-tokens", "8", "--dtype", "float32", "--out", str(tmp_path / "out"),
+        "--no-progress",
+    ])  # fmt: skip
+    assert eval_run.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "plain" in printed and "prompt_lookup" in printed and "target" in printed
+    assert "identical to plain decoding: target 100%, prompt_lookup 100%" in printed
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["config"]["num_prompts"] == 2
+    assert (tmp_path / "out" / "speedup_heatmap.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_bad_input(tmp_path):
+    target_dir = save_tiny_target(tmp_path / "target")
+    other_dir = tmp_path / "other"
+    tiny_tokenizer(280).save_pretrained(other_dir)
+    tiny_llama(len(tiny_tokenizer(280))).save_pretrained(other_dir)
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    base = ["--target", str(target_dir), "--dtype", "float32", "--no-progress", "--max-new-tokens", "4"]
+    cases = [
+        (["--prompts", str(suite), "--temperature", "-1"], "temperature"),
+        (["--prompts", str(suite), "-k", "0"], "-k must be"),
+        (["--prompts", str(empty), "--prompt-lookup"], "is empty"),
+        (["--prompts", str(suite), "--draft-model", str(other_dir)], "--map-draft-vocab"),
+        (["--prompts", str(suite), "--drafter", str(tmp_path)], "not a saved drafter"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SpecdraftError, match=message):
+            eval_run.run(cli_args(base + extra))
+    # With the mapping allowed, a draft with a different tokenizer works (and stays lossless).
+    args = cli_args(base + ["--prompts", str(suite), "--num-prompts", "1", "--draft-model", str(other_dir),
+                            "--map-draft-vocab"])  # fmt: skip
+    assert eval_run.run(args) == 0
+
+
+def test_cli_command_is_wired():
+    from specdraft.cli import COMMANDS
+
+    assert COMMANDS["eval"][0] == "specdraft.evaluation.run"
+    assert torch.is_tensor(torch.zeros(1))  # the module imports without side effects
