@@ -6,6 +6,7 @@ A run folder:
       drafter/                         save_pretrained: config.json + model.safetensors
       optimizer.pt, scheduler.pt       tensors and plain containers only (weights_only=True loads)
       rng-rank{r}.pt                   every process's RNG streams
+      optimizer-rank{r}.pt             instead of optimizer.pt under DeepSpeed ZeRO: each process's shard
       trainer_state.json               step, data position, world size
   RUN/drafter/                         the final drafter, at the end of training
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -77,9 +79,71 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# -- DeepSpeed ZeRO (begin) ------------------------------------------------------------------------
+# ZeRO-2/3 split the optimizer state (and fp32 master weights) across processes, so each process
+# saves and loads its own shard; ZeRO-3 also splits every parameter, so whole tensors are gathered
+# before save_pretrained and scattered back after a load.
+def uses_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def full_parameters(accelerator, model, modify: bool = False):
+    """Context in which ``model`` holds whole tensors on every process (ZeRO-3); a no-op otherwise.
+
+    Every process must enter it. ``modify=True``: the main process's values are scattered back
+    to all shards on exit (after loading weights).
+    """
+    if not uses_deepspeed(accelerator):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0 if modify else None)
+
+
+def _zero_shard_file(ckpt: Path, rank: int) -> Path:
+    return ckpt / f"optimizer-rank{rank}.pt"
+
+
+@contextmanager
+def _zero_state_classes():
+    """The plain-data DeepSpeed classes a ZeRO optimizer state holds, allowed for weights_only loads."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, fragment_address]):
+        yield
+
+
+def _read_zero_shard(accelerator, ckpt: Path, saved_world_size: int) -> dict:
+    shard = _zero_shard_file(ckpt, accelerator.process_index)
+    if saved_world_size != accelerator.num_processes or not shard.is_file():
+        how = "under DeepSpeed ZeRO" if _zero_shard_file(ckpt, 0).is_file() else "without DeepSpeed"
+        raise SpecdraftError(
+            f"checkpoint {ckpt} was written by {saved_world_size} process(es) {how}, and ZeRO optimizer "
+            f"shards only load into the same setup: resume with {saved_world_size} process(es) and the launcher "
+            "config it was trained with, or start again with --overwrite."
+        )
+    with _zero_state_classes():
+        return torch.load(shard, map_location="cpu", weights_only=True)
+
+
+def _load_zero_shard(accelerator, optimizer, shard: dict) -> None:
+    # The ZeRO optimizer takes every rank's state, indexed by rank; with an unchanged world size it
+    # reads only its own. load_from_fp32_weights: restore the fp32 master copy exactly (bf16/fp16 runs).
+    shards = [None] * accelerator.num_processes
+    shards[accelerator.process_index] = shard
+    zero_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
+    zero_optimizer.load_state_dict(shards, load_from_fp32_weights=True)
+
+
+# -- DeepSpeed ZeRO (end) --------------------------------------------------------------------------
+
+
 def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, scheduler, trainer_state: dict,
                     keep_last: int) -> Path:
-    """Write RUN/checkpoints/step-N atomically; every rank writes its RNG, rank 0 the rest."""
+    """Write RUN/checkpoints/step-N atomically; every rank writes its RNG (and ZeRO shard), rank 0 the rest."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:07d}"
     tmp = root / f".tmp-step-{step:07d}"
@@ -89,9 +153,16 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, s
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         torch.save(_rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
+        zero = uses_deepspeed(accelerator)
+        if zero:
+            torch.save(optimizer.state_dict(), _zero_shard_file(tmp, accelerator.process_index))
+        accelerator.wait_for_everyone()  # every shard is on disk before rank 0 marks the checkpoint complete
+        with full_parameters(accelerator, drafter):
+            if accelerator.is_main_process:
+                accelerator.unwrap_model(drafter).save_pretrained(tmp / "drafter")
         if accelerator.is_main_process:
-            accelerator.unwrap_model(drafter).save_pretrained(tmp / "drafter")
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            if not zero:
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             # Written last: its presence marks the checkpoint complete.
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
@@ -119,27 +190,40 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
     """Restore weights, optimizer, scheduler and this rank's RNG; returns the trainer state."""
     from safetensors.torch import load_file
 
+    zero = uses_deepspeed(accelerator)
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
         weights = load_file(ckpt / "drafter" / "model.safetensors", device="cpu")
-        optim_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+        if not zero and not (ckpt / "optimizer.pt").is_file() and _zero_shard_file(ckpt, 0).is_file():
+            raise SpecdraftError(
+                f"checkpoint {ckpt} holds DeepSpeed ZeRO optimizer shards; resume it with the DeepSpeed launcher "
+                f"config it was trained with ({state.get('world_size')} processes), or start again with --overwrite."
+            )
+        optim_state = (_read_zero_shard(accelerator, ckpt, state.get("world_size", 1)) if zero
+                       else torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
         sched_state = torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=True)
         rng_file = ckpt / f"rng-rank{accelerator.process_index}.pt"
         rng = torch.load(rng_file, map_location="cpu", weights_only=True) if rng_file.is_file() else None
+    except SpecdraftError:
+        raise
     except Exception as e:  # truncated safetensors, bad pickle, bad JSON: all mean the same to the user
         raise SpecdraftError(
             f"checkpoint {ckpt} is corrupt or incomplete ({type(e).__name__}: {e}). Delete that folder to "
             "resume from the one before it, or start again with --overwrite."
         ) from e
     model = accelerator.unwrap_model(drafter)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    with full_parameters(accelerator, model, modify=True):
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     if unexpected or trainable & set(missing):
         raise SpecdraftError(
             f"checkpoint {ckpt} does not match this drafter (missing {sorted(trainable & set(missing))[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}); it was trained from a different recipe."
         )
-    optimizer.load_state_dict(optim_state)
+    if zero:
+        _load_zero_shard(accelerator, optimizer, optim_state)
+    else:
+        optimizer.load_state_dict(optim_state)
     scheduler.load_state_dict(sched_state)
     if rng is not None:
         _set_rng_state(rng)

@@ -9,8 +9,9 @@ Formats, per drafter family (``EXPORTERS``, a plain dict keyed by (family, forma
   vllm    EAGLE-3 in the speculators format (Eagle3Speculator); EAGLE-1 in the reference layout
           with a Llama config, which vLLM's EAGLEConfig turns into EagleLlamaForCausalLM
 
-An export is config.json + model.safetensors (and specdraft.json, recording the drafter it came
-from so ``load_exported`` can read it back). It is written to a temporary folder, then renamed.
+An export is config.json + model.safetensors; sglang and vllm exports also carry specdraft.json
+(the drafter they came from, so ``load_exported`` can read them back; engines ignore it). Each is
+written to a temporary folder, then renamed into place.
 
 Every config field an engine reads is written out, never left to a default: the engines disagree
 (vLLM reads a missing ``norm_before_residual`` in a speculators config as true, speculators itself
@@ -48,7 +49,7 @@ SPECULATORS_VERSION = "0.3.0"  # the speculators config schema the vLLM export f
 @dataclass
 class ExportOptions:
     verifier: str | None = None  # the target's hub id or path, named in vLLM's speculators config
-    num_speculative_tokens: int = 3  # the speculators proposal length (vLLM's default k)
+    num_speculative_tokens: int = 3  # the speculators proposal length: vLLM's default num_speculative_tokens
 
 
 # -- what both EAGLE exports share ---------------------------------------------------------------
@@ -215,7 +216,9 @@ def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dic
 
 # The reference layout (SafeAILab/EAGLE eagle/model/cnets1.py): fc, then one decoder layer of the
 # target's architecture whose input_layernorm is removed. Embedding and LM head are the target's.
-EAGLE1_LAYER_KIND = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # target model_type -> layer
+# Target model_type -> the engine layer that computes the same function. A Mistral layer is a Llama
+# layer here: the draft attends over its whole context (no sliding window).
+EAGLE1_LAYER_KIND = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 
 def _eagle1_tensors(kind: str, attention_bias: bool, fc_bias: bool) -> set[str]:
@@ -364,7 +367,10 @@ def _write_folder(path: Path, config: dict, tensors: dict, side: dict | None) ->
 
 def _find_recipe(given: Path, drafter_dir: Path) -> dict:
     """RUN/recipe.yaml for RUN, RUN/drafter or RUN/checkpoints/step-N/drafter; {} if there is none."""
-    for folder in (given, drafter_dir.parent, drafter_dir.parent.parent.parent):
+    folders = [given, drafter_dir.parent]
+    if drafter_dir.parent.parent.name == "checkpoints":
+        folders.append(drafter_dir.parent.parent.parent)
+    for folder in folders:
         if (folder / "recipe.yaml").is_file():
             return yaml.safe_load((folder / "recipe.yaml").read_text()) or {}
     return {}
@@ -386,6 +392,8 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
     if family is None:
         raise SpecdraftError(f"{source}/config.json names no drafter family; point at a folder save_pretrained wrote")
     exporter = exporter_for(family, fmt)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecdraftError(f"--out {out_dir} is a file; give a folder path")
     if out_dir.exists() and not overwrite:
         raise SpecdraftError(f"{out_dir} already exists; pass --overwrite to replace it, or choose another --out")
     if out_dir.resolve() == source.resolve() or out_dir.resolve() in source.resolve().parents:
@@ -439,8 +447,10 @@ SERVE_HINTS = {
                           "--speculative-draft-model-path {out}",
     ("eagle1", "sglang"): "python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE "
                           "--speculative-draft-model-path {out}",
-    ("eagle3", "vllm"): "vllm serve TARGET --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\"}}'",
-    ("eagle1", "vllm"): "vllm serve TARGET --speculative-config '{{\"method\": \"eagle\", \"model\": \"{out}\"}}'",
+    ("eagle3", "vllm"): "vllm serve TARGET --speculative-config "
+                        "'{{\"method\": \"eagle3\", \"model\": \"{out}\", \"num_speculative_tokens\": K}}'",
+    ("eagle1", "vllm"): "vllm serve TARGET --speculative-config "
+                        "'{{\"method\": \"eagle\", \"model\": \"{out}\", \"num_speculative_tokens\": K}}'",
 }
 
 

@@ -66,6 +66,12 @@ class FrozenTarget(nn.Module):
         self.base, self.layers = base, layers
         n = len(layers)
         self.taps = list(taps or [])
+        if len(set(self.taps)) != len(self.taps):
+            raise SpecdraftError(
+                f"target.taps {self.taps} repeat a layer (a {n}-layer target's default EAGLE-3 taps 2, N//2, N-3 "
+                "collide below 8 layers); serving engines capture each layer once, so give target.taps as "
+                "distinct layer indices, e.g. [1, 2, 3]."
+            )
         for t in self.taps:
             if not 0 <= t < n:
                 raise SpecdraftError(

@@ -473,6 +473,7 @@ def build_toy_target(
     def log(message):
         lines.append(message)
         tqdm.write(message)
+        sys.stdout.flush()  # so a forked child never re-flushes our buffer into a redirected log
 
     files = list_source_files(stdlib_dir)
     if recipe.max_files:  # a deterministic subset, spread over the hash space
@@ -535,6 +536,7 @@ def build_toy_target(
     }
     (tmp / "build_record.json").write_text(json.dumps(record, indent=1))
     (tmp / "build_log.txt").write_text("\n".join(lines) + "\n")
+    write_build_md(tmp)
 
     if out_dir.exists():  # overwrite: move the old folder aside first, drop it after the swap
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
@@ -546,6 +548,63 @@ def build_toy_target(
         tmp.rename(out_dir)
     log(f"saved {out_dir} in {record['build_seconds']}s")
     return out_dir
+
+
+def write_build_md(folder) -> None:
+    """BUILD.md: how the folder was made and what it measures, from build_record.json + build_log.txt."""
+    folder = pathlib.Path(folder)
+    record = json.loads((folder / "build_record.json").read_text())
+    r, loops = record["recipe"], record["loops"]
+    rows = "\n".join(
+        f"| {kind} | {loops[kind]['prompts']} | {loops[kind]['distinct_4gram_greedy']} | {loops[kind]['distinct_4gram_real']} "
+        f"| {loops[kind]['repeated_suffix_greedy']} | {loops[kind]['repeated_suffix_real']} | {loops[kind]['looping_fraction']} "
+        f"| {loops[kind]['ended_with_eos']} |"
+        for kind in ("plain", "chat")
+    )
+    samples = "\n\n".join(
+        f"**{s['kind']}** prompt:\n````\n{s['prompt']}\n````\ngreedy continuation:\n````\n{s['greedy']}\n````"
+        for s in loops["samples"]
+    )
+    text = f"""# Toy target build
+
+Built by this exact command (Python {record['python']}, torch {record['torch']}, {r['threads']} thread(s), seed {record['seed']}):
+
+```
+{record['command']}
+```
+
+`--minutes` runs are replayable step for step with `--steps {record['steps']}` (same seed and stdlib).
+
+| | |
+|---|---|
+| model | LlamaForCausalLM, {r['num_layers']} layers, hidden {r['hidden_size']}, {r['num_heads']} heads / {r['num_kv_heads']} KV heads, MLP {r['intermediate_size']}, tied embeddings, bf16 weights |
+| tokenizer | byte-level BPE, vocab {r['vocab_size']}, chat template with `{{% generation %}}` markers |
+| data | {record['train_files']} train / {len(record['heldout_files'])} held-out stdlib files (file-level split, {r['heldout_percent']}% by path hash); {record['train_tokens_per_epoch']} tokens per epoch |
+| training | {record['steps']} steps x {r['batch_size']} x {r['seq_len']} tokens = {record['tokens']} tokens ({record['epochs']:.2f} epochs) in {record['train_seconds']} s; whole build {record['build_seconds']} s |
+| final train loss | {record['final_train_loss']:.4f} nats/token (smoothed) |
+| **held-out loss** | **{record['heldout_loss']:.4f} nats/token** over {record['heldout_tokens']} tokens |
+
+## Greedy continuations of held-out prompts ({r['eval_new_tokens']} new tokens)
+
+"real" is the same measure on the true continuation. Distinct 4-gram ratio: unique/all 4-grams
+(1 = no repeats). Repeated suffix: longest suffix that already occurred (a loop of period p over
+L tokens gives about L - p). Looping: repeated suffix >= 32 tokens.
+
+| prompts | n | distinct 4-gram greedy | real | repeated suffix greedy | real | looping | ended with the end token |
+|---|---|---|---|---|---|---|---|
+{rows}
+
+Chat answers that ended with `<|end|>` and parse as Python: {loops['chat'].get('finished_answers_parse')}
+
+{samples}
+
+## Log
+
+```
+{(folder / 'build_log.txt').read_text().strip()}
+```
+"""
+    (folder / "BUILD.md").write_text(text)
 
 
 # --------------------------------------------------------------------------- CLI

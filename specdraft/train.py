@@ -21,7 +21,7 @@ import torch
 import yaml
 from torch import nn
 
-from .checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_dirs, full_parameters, load_checkpoint, save_checkpoint
 from .config import Recipe
 from .drafters import get_family
 from .errors import SpecdraftError
@@ -80,6 +80,43 @@ def load_target(recipe: Recipe, device) -> FrozenTarget:
         resolve_target_path(cfg.path), dtype=cfg.dtype, taps=cfg.taps, trust_remote_code=cfg.trust_remote_code,
         device=device, attn_implementation=cfg.attn_implementation,
     )
+
+
+# -- DeepSpeed (begin) --------------------------------------------------------------------------
+# `accelerate launch --config_file recipes/accelerate/deepspeed_zero{2,3}.yaml` sets
+# ACCELERATE_USE_DEEPSPEED; the loop below is then unchanged: accelerator.backward runs the engine's
+# backward and step, and optimizer.step/zero_grad become no-ops.
+def deepspeed_arguments(tcfg) -> dict:
+    """Extra ``Accelerator`` arguments when launched for DeepSpeed, else none."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return {}
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    # Under DeepSpeed, clip_grad_norm_ is a no-op and the engine clips: the JSON's "auto"
+    # gradient_clipping takes the recipe's value. zero3_init_flag=False: the frozen target is
+    # loaded whole, only the drafter is sharded (by the engine, at prepare).
+    arguments = {"deepspeed_plugin": DeepSpeedPlugin(gradient_clipping=tcfg.max_grad_norm, zero3_init_flag=False)}
+    if not torch.cuda.is_available():
+        # accelerate picks a process-group backend only for accelerators; on CPU DeepSpeed
+        # (DS_ACCELERATOR=cpu) runs over gloo. This is what makes the CPU tests possible.
+        arguments["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    return arguments
+
+
+def load_models_whole(accelerator) -> None:
+    """Stop transformers from building models inside ``deepspeed.zero.Init``.
+
+    accelerate registers the DeepSpeed config with transformers even when zero3_init_flag is off,
+    and under ZeRO-3 ``from_pretrained`` would then shard the frozen target, which never enters
+    the engine, so its forward would see empty weights.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+# -- DeepSpeed (end) ----------------------------------------------------------------------------
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -161,7 +198,9 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
         log_with=trackers or None,
         project_dir=str(run_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        **deepspeed_arguments(tcfg),
     )
+    load_models_whole(accelerator)
     prepare_run_dir(run_dir, resume, overwrite, accelerator.is_main_process)
     accelerator.wait_for_everyone()
     set_seed(tcfg.seed)
@@ -308,8 +347,9 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     if not checkpoint_dirs(run_dir) or checkpoint_dirs(run_dir)[-1].name != f"step-{state.step:07d}":
         save("final")
     log_metrics(evaluate(), state.step)
-    if accelerator.is_main_process:
-        _write_final_drafter(run_dir, step_module, accelerator)
+    with full_parameters(accelerator, step_module):  # ZeRO-3: every process takes part in the gather
+        if accelerator.is_main_process:
+            _write_final_drafter(run_dir, step_module, accelerator)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir

@@ -140,7 +140,7 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
         expected = 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 4 * H + N * H
     else:
         # fc 2H->H with bias; one target-architecture decoder layer (EAGLE-1 drops its input norm)
-        expected = 2 * H * H + H + H * (q + 2 * kv) + q * H + 3 * H * I + H
+        expected = 2 * H * H + H * recipe.drafter.fc_bias + H * (q + 2 * kv) + q * H + 3 * H * I + H
     if recipe.target.path != "toy":  # the toy's arch flags are checked in the drafter's own tests
         assert trainable == expected, (trainable, expected)
     assert all(p.device.type == "meta" for p in drafter.trainable_parameters())

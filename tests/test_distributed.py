@@ -30,7 +30,7 @@ def launch(args, **env):
 
 
 def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path):
-    target = save_tiny_target(tmp_path / "target", num_hidden_layers=6)
+    target = save_tiny_target(tmp_path / "target", num_hidden_layers=8)
     data = make_chat_data(tmp_path / "chat.jsonl", n=64)
     one = eagle3_recipe(tmp_path / "one", target, data, accumulation=4)
     two = eagle3_recipe(tmp_path / "two", target, data, accumulation=2)

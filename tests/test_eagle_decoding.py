@@ -20,7 +20,7 @@ def tiny_target() -> FrozenTarget:
     config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.3)
     torch.manual_seed(0)
-    return FrozenTarget.from_config(config, taps="eagle3", device="cpu")
+    return FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")  # low, middle, high of 4 layers
 
 
 def make_drafter(family: str, target, full_vocab: bool = False):

@@ -20,7 +20,7 @@ from specdraft.cli import main
 from specdraft.data.vocab import DraftVocab
 from specdraft.drafters import FAMILIES
 from specdraft.errors import SpecdraftError
-from specdraft.export import export, load_exported
+from specdraft.export import _rope_fields, export, load_exported
 from specdraft.target import FrozenTarget
 
 TINY = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -488,20 +488,33 @@ def test_output_is_never_overwritten_without_the_flag(e3, tmp_path):
 
 
 def test_newest_checkpoint_is_exported_when_the_run_has_no_final_drafter(e3, tmp_path):
-    target, drafter, _ = e3
     run = tmp_path / "run"
-    for step, scale in ((5, 1.0), (10, 2.0)):
-        ckpt = run / "checkpoints" / f"step-{step:07d}"
+    for step in (5, 10):
+        drafter = eagle3(e3[0])
         with torch.no_grad():
-            drafter.fc.weight.mul_(scale)
+            drafter.fc.weight.fill_(step)
+        ckpt = run / "checkpoints" / f"step-{step:07d}"
         drafter.save_pretrained(ckpt / "drafter")
-        (ckpt / "trainer_state.json").write_text("{}")
+        (ckpt / "trainer_state.json").write_text("{}")  # marks the checkpoint complete
     (run / "recipe.yaml").write_text(yaml.safe_dump({"target": {"path": "org/from-recipe"}}))
-    out = export(run, "vllm", tmp_path / "vllm")
-    assert torch.equal(read(out)[1]["fc.weight"], drafter.fc.weight)
-    assert read(out)[0]["speculators_config"]["verifier"]["name_or_path"] == "org/from-recipe"
-    with torch.no_grad():
-        drafter.fc.weight.div_(2.0)  # the module fixture is shared
+    config, tensors = read(export(run, "vllm", tmp_path / "vllm"))
+    assert torch.equal(tensors["fc.weight"], torch.full((64, 192), 10.0))
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/from-recipe"
+
+
+def test_rope_is_written_in_both_transformers_spellings():
+    v4 = {"rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}  # old "type" key
+    assert _rope_fields(v4) == {
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 2.0, "rope_type": "linear"},
+        "rope_parameters": {"type": "linear", "factor": 2.0, "rope_type": "linear", "rope_theta": 500000.0},
+    }
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    v5 = {"rope_parameters": {**llama3, "rope_theta": 500000.0}}
+    assert _rope_fields(v5) == {"rope_theta": 500000.0, "rope_scaling": llama3,
+                                "rope_parameters": {**llama3, "rope_theta": 500000.0}}
+    assert _rope_fields({"rope_theta": 10000.0, "rope_scaling": None})["rope_scaling"] is None
 
 
 def test_vllm_needs_a_verifier(e3, tmp_path):

@@ -18,7 +18,7 @@ from tiny import save_tiny_target
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return save_tiny_target(tmp_path_factory.mktemp("t") / "tiny", num_hidden_layers=6)
+    return save_tiny_target(tmp_path_factory.mktemp("t") / "tiny", num_hidden_layers=8)
 
 
 def recipe_for(tmp_path, target_dir, data, cache=True, **training):

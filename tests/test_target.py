@@ -78,3 +78,8 @@ def test_unknown_architecture_is_a_clear_error():
 def test_missing_target_path_is_a_clear_error(tmp_path):
     with pytest.raises(SpecdraftError, match="could not load the target config"):
         FrozenTarget.from_pretrained(tmp_path / "missing")
+
+
+def test_repeated_taps_are_a_clear_error():
+    with pytest.raises(SpecdraftError, match=r"repeat a layer.*distinct"):
+        FrozenTarget.from_config(tiny_config(num_hidden_layers=6), taps="eagle3", device="meta")

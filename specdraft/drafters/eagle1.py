@@ -68,7 +68,8 @@ class Eagle1Config:
 
 
 def uniform_feature_noise(features: torch.Tensor, lengths: torch.Tensor, cfg: Eagle1Config) -> torch.Tensor:
-    """The reference's AddUniformNoise: U(-w/2, w/2) scaled by ref_len / (the row's real length)."""
+    """The reference's AddUniformNoise: U(-w/2, w/2) scaled by ref_len / (the row's real length;
+    with packing, the packed row's)."""
     scale = torch.full_like(lengths, 1.0, dtype=features.dtype)
     if cfg.noise_ref_len is not None:
         scale = cfg.noise_ref_len / lengths.clamp_min(1).to(features.dtype)
@@ -108,7 +109,8 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def draft_logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
-        return self.target_lm_head(predicted_features).float()
+        lm_head = self.target_lm_head  # the target's, in the target's dtype (e.g. bf16 under an fp32 drafter)
+        return lm_head(predicted_features.to(lm_head.weight.dtype)).float()
 
     def target_features(self, target_out: TargetOutputs) -> torch.Tensor:
         return target_out.last_hidden

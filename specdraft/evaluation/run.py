@@ -132,8 +132,8 @@ def _as_prompts(prompts, num_prompts) -> list[Prompt]:
 
 
 def _instantiate(source):
-    """A DraftSource, or a zero-argument factory returning one."""
-    if isinstance(source, DraftSource):
+    """A DraftSource, or a zero-argument factory (or class) returning one."""
+    if isinstance(source, DraftSource) and not isinstance(source, type):  # a class passes the Protocol check too
         return source
     if callable(source):
         return source()

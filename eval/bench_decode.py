@@ -1,0 +1,197 @@
+"""Benchmark: specdraft's speculative decoder vs plain decoding vs transformers' assisted generation.
+
+Same target, same draft LM, same prompts, same process, all greedy:
+  plain            specdraft's plain_decode: one token per target forward (the speedup baseline)
+  HF generate      model.generate(do_sample=False)
+  HF assisted      model.generate(assistant_model=draft, do_sample=False), K drafts per step
+                   (constant schedule, confidence early-exit off: the same K as specdraft)
+  specdraft        speculative_decode with DraftLMSource(draft), K drafts per step
+It checks every method emits the same tokens, and prints a Markdown table with tokens/s,
+speedups, specdraft's ratio over assisted generation, and the decoder efficiency =
+measured speedup / speedup predicted from the measured alpha and c.
+
+The draft is the target cut to its first ``--draft-layers`` layers (embeddings, final norm
+and head kept), briefly distilled on the target's distribution (forward KL) over stdlib
+source: a random draft would give alpha ~ 0 and say nothing.
+
+  python eval/bench_decode.py                      # the shipped toy target
+  python eval/bench_decode.py --target DIR --num-prompts 8 --max-new-tokens 128 -k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdraft.decoding.sources import DraftLMSource
+from specdraft.decoding.speculative import plain_decode, speculative_decode
+from specdraft.evaluation.metrics import draft_cost_ratio, measured_alpha, predicted_speedup
+from specdraft.target import FrozenTarget, resolve_target_path
+
+
+def stdlib_files(seed: int) -> list[Path]:
+    """Standard-library modules (tests excluded), shuffled deterministically."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [f for f in sorted(root.rglob("*.py"))
+             if not {"test", "tests", "idle_test", "site-packages"} & set(f.relative_to(root).parts)]  # fmt: skip
+    random.Random(seed).shuffle(files)
+    return files
+
+
+def truncated_copy(model, num_layers: int):
+    """The model with only its first ``num_layers`` decoder layers: a draft that starts out correlated."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    draft = type(model)(config)
+    kept = {name: w for name, w in model.state_dict().items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}  # fmt: skip
+    draft.load_state_dict(kept, strict=False)
+    return draft.to(next(model.parameters()).dtype).eval()
+
+
+def distill(draft, target_model, token_rows: torch.Tensor, steps: int, batch_size: int, lr: float, seed: int):
+    """Forward KL(p_target || q_draft) on every position (DistillSpec's simplest divergence)."""
+    g = torch.Generator().manual_seed(seed)
+    draft.train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    bar = tqdm(range(steps), desc="distill draft", unit="step")
+    for _ in bar:
+        batch = token_rows[torch.randint(len(token_rows), (batch_size,), generator=g)]
+        with torch.no_grad():
+            p_log = target_model(batch).logits.float().log_softmax(-1)
+        q_log = draft(batch).logits.float().log_softmax(-1)
+        loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        bar.set_postfix(kl=f"{loss.item():.3f}")
+    return draft.eval()
+
+
+def token_rows(tokenizer, files: list[Path], seq_len: int, max_rows: int) -> torch.Tensor:
+    ids = []
+    for f in files:
+        ids += tokenizer(f.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+        if len(ids) >= seq_len * max_rows:
+            break
+    rows = len(ids) // seq_len
+    return torch.tensor(ids[: rows * seq_len]).view(rows, seq_len)
+
+
+def code_prompts(tokenizer, files: list[Path], count: int, prompt_tokens: int) -> list[list[int]]:
+    """Prefixes starting a third of the way into each file, at a line start: mid-module code to continue."""
+    prompts = []
+    for f in files:
+        lines = f.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        ids = tokenizer("".join(lines[len(lines) // 3 :]))["input_ids"]
+        if len(ids) >= prompt_tokens:
+            prompts.append(ids[:prompt_tokens])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="toy", help="target folder ('toy' = the shipped toy target)")
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--distill-steps", type=int, default=150)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (timings are steadier with 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    # float32: greedy ties must break the same way in every method, so the token check is meaningful.
+    path = resolve_target_path(args.target)
+    target = FrozenTarget.from_pretrained(path, dtype="float32", device="cpu")
+    model, tokenizer = target.model, AutoTokenizer.from_pretrained(path)
+    files = stdlib_files(args.seed)
+    prompt_files, distill_files = files[:200], files[200:]
+    prompts = code_prompts(tokenizer, prompt_files, args.num_prompts, args.prompt_tokens)
+    rows = token_rows(tokenizer, distill_files, seq_len=128, max_rows=2000)
+    draft = truncated_copy(model, args.draft_layers)
+    draft = distill(draft, model, rows, args.distill_steps, batch_size=8, lr=1e-3, seed=args.seed)
+    draft.requires_grad_(False)
+    draft.generation_config.num_assistant_tokens = args.k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0  # 0 = off: always draft K
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+    def hf(ids, assistant=None):
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), assistant_model=assistant, do_sample=False,
+                             max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+        return out[0, len(ids) :].tolist(), None
+
+    def ours_plain(ids):
+        return plain_decode(target, torch.tensor([ids]), max_new_tokens=args.max_new_tokens, eos_token_ids=eos).tokens, None
+
+    def ours_spec(ids):
+        out = speculative_decode(target, DraftLMSource(draft), torch.tensor([ids]), k=args.k,
+                                 max_new_tokens=args.max_new_tokens, eos_token_ids=eos)  # fmt: skip
+        return out.tokens, out.steps
+
+    methods = {
+        "plain (specdraft)": ours_plain,
+        "plain (HF generate)": lambda ids: hf(ids),
+        f"HF assisted generation (K={args.k})": lambda ids: hf(ids, draft),
+        f"specdraft speculative (K={args.k})": ours_spec,
+    }
+    for fn in methods.values():  # warm-up
+        fn(prompts[0][:16])
+
+    # Interleave methods prompt by prompt, so machine noise hits all of them alike.
+    tokens = {name: [] for name in methods}
+    seconds = dict.fromkeys(methods, 0.0)
+    steps = []
+    for ids in tqdm(prompts, desc="decode", unit="prompt"):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            out, step_stats = fn(ids)
+            seconds[name] += time.perf_counter() - start
+            tokens[name].append(out)
+            steps += step_stats or []
+
+    reference = tokens["plain (HF generate)"]
+    plain_name, spec_name, hf_name = list(methods)[0], list(methods)[3], list(methods)[2]
+    rate = {name: sum(map(len, tokens[name])) / seconds[name] for name in methods}
+    alpha, c = measured_alpha(steps), draft_cost_ratio(steps)
+    predicted = predicted_speedup(alpha, args.k, c)
+    speedup = rate[spec_name] / rate[plain_name]
+    all_identical = all(tokens[name] == reference for name in methods)
+
+    print(f"\ntarget {path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"{target.num_layers} layers; draft: first {args.draft_layers} layers, distilled {args.distill_steps} steps; "
+          f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, greedy, float32, CPU, {args.threads} thread(s)\n")  # fmt: skip
+    print("| method | tokens/s | speedup vs plain (specdraft) | identical tokens to HF greedy |")
+    print("|---|---:|---:|---|")
+    for name in methods:
+        same = sum(a == b for a, b in zip(tokens[name], reference))
+        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[plain_name]:.2f}x | {same}/{len(prompts)} |")
+    print(f"\nspecdraft / HF assisted: {rate[spec_name] / rate[hf_name]:.2f}x; "
+          f"measured alpha {alpha:.3f}, c {c:.3f}, tau {sum(s.num_accepted + 1 for s in steps) / len(steps):.2f}; "
+          f"predicted speedup {predicted:.2f}x, measured {speedup:.2f}x, decoder efficiency {speedup / predicted:.2f}")
+    if not all_identical:
+        print("WARNING: methods disagree on some tokens (see the table)", file=sys.stderr)
+    return 0 if all_identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
