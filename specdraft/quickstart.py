@@ -2,10 +2,11 @@
 
   1. prompts      chat prompts from the toy target's *training* files ("Write the function f in x.py")
   2. regenerate   the target answers them itself (drafters trained on the target's own text accept more)
-  3. train        EAGLE-3 through the same ``train`` path and recipe (recipes/toy_eagle3.yaml)
+  3. train        EAGLE-3 through the same ``train`` path and recipe (recipes/toy_eagle3.yaml); its
+                  ``eval:`` step runs the saved drafter in the decoder on prompts from the toy target's
+                  *held-out* files, against prompt lookup and plain decoding, at temperature 0 and 1
+                  (terminal table + JSON/Markdown/PNG report in RUN/eval)
   4. export       SGLang, vLLM (speculators) and specdraft's own folder
-  5. eval         acceptance on prompts from the toy target's *held-out* files, against prompt lookup
-                  and plain decoding, at temperature 0 and 1: terminal table + JSON/Markdown/PNG report
 """
 
 from __future__ import annotations
@@ -53,50 +54,40 @@ def quickstart(out: Path, train_prompts: int, steps: int | None, eval_prompts: i
     from .train import train
 
     started = time.perf_counter()
-    torch.manual_seed(0)
     target_dir = toy_target_path()
-    print(f"[1/5] toy target: {target_dir}")
+    print(f"[1/4] toy target: {target_dir}")
 
     answers = out / "data" / "answers.jsonl"
-    print(f"[2/5] the target answers {train_prompts} prompts from its training files -> {answers}")
+    print(f"[2/4] the target answers {train_prompts} prompts from its training files -> {answers}")
     prompts_file = write_jsonl(out / "data" / "train_prompts.jsonl", toy_prompts("train", train_prompts))
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     regenerate(model, tokenizer, prompts_file, answers, temperature=0.0, max_new_tokens=160, batch_size=32)
     del model
+    heldout = write_jsonl(out / "data" / "heldout_prompts.jsonl", toy_prompts("heldout", eval_prompts))
 
     recipe_file = RECIPES_DIR / "toy_eagle3.yaml"
     if not recipe_file.is_file():
         raise SpecdraftError(f"{recipe_file} not found: run the quickstart from a clone of the specdraft repository")
-    overrides = [f"data.path={answers}", f"checkpoint.output_dir={out / 'run'}"]
+    overrides = [f"data.path={answers}", f"checkpoint.output_dir={out / 'run'}", f"eval.prompts={heldout}",
+                 f"eval.num_prompts={eval_prompts}"]
     if steps:
         overrides.append(f"training.max_steps={steps}")
     recipe = load_recipe(recipe_file, overrides)
-    print(f"[3/5] training EAGLE-3 ({recipe.training.max_steps} steps) -> {out / 'run'}")
+    print(f"[3/4] training EAGLE-3 ({recipe.training.max_steps} steps), then the acceptance eval on "
+          f"{eval_prompts} held-out prompts at temperature {', '.join(map(str, recipe.eval.temperatures))}")
     run_dir = train(recipe, overwrite=overwrite)
 
-    print(f"[4/5] exporting -> {out / 'export'}")
+    print(f"[4/4] exporting -> {out / 'export'}")
     exported = {fmt: export(run_dir, fmt, out / "export" / fmt, overwrite=True) for fmt in ("sglang", "vllm", "hf")}
 
-    print(f"[5/5] acceptance eval on {eval_prompts} held-out prompts")
-    from .evaluation.run import evaluate_drafters
-
-    questions = write_jsonl(out / "data" / "heldout_prompts.jsonl", toy_prompts("heldout", eval_prompts))
-    report_dir = out / "report"
-    evaluate_drafters(
-        target_path=str(target_dir),
-        drafters={"eagle3": str(exported["hf"])},
-        prompts=str(questions),
-        k=recipe.eval.k,
-        temperatures=recipe.eval.temperatures,
-        max_new_tokens=recipe.eval.max_new_tokens,
-        prompt_lookup=True,
-        out_dir=report_dir,
-    )
     minutes = (time.perf_counter() - started) / 60
-    print(f"\ndone in {minutes:.1f} min.\n  run:     {run_dir}\n  exports: "
-          + ", ".join(f"{k}={v}" for k, v in exported.items()) + f"\n  report:  {report_dir}")
-    return report_dir
+    print(f"\ndone in {minutes:.1f} min.")
+    print(f"  run:     {run_dir} (recipe.yaml, metrics.jsonl, checkpoints/, drafter/)")
+    print(f"  report:  {run_dir / 'eval'} (result JSON, report.md, PNG plots per temperature)")
+    for fmt, path in exported.items():
+        print(f"  {fmt + ':':<8} {path}")
+    return run_dir / "eval"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checkpoint import checkpoint_dirs, full_parameters, load_checkpoint, save_checkpoint
 from .config import Recipe
-from .drafters import get_family
+from .drafters import get_family, load_drafter
 from .errors import SpecdraftError
 from .target import FrozenTarget, resolve_target_path
 
@@ -350,9 +350,42 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     with full_parameters(accelerator, step_module):  # ZeRO-3: every process takes part in the gather
         if accelerator.is_main_process:
             _write_final_drafter(run_dir, step_module, accelerator)
+    if accelerator.is_main_process and recipe.eval.enabled:
+        # The saved drafter, reloaded: what is evaluated is exactly what was written (and under
+        # ZeRO-3 the live parameters are partitioned across processes).
+        wandb_run = accelerator.get_tracker("wandb", unwrap=True) if "wandb" in trackers else None
+        acceptance_eval(recipe, target, load_drafter(run_dir / "drafter", target), run_dir / "eval",
+                        wandb_run, show_progress)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return run_dir
+
+
+def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path, wandb_run=None,
+                    show_progress: bool = True) -> dict[float, dict]:
+    """The recipe's ``eval:`` section: the trained drafter in the real decoder, per temperature."""
+    from .decoding.sampling import SamplingParams
+    from .decoding.sources import PromptLookupSource
+    from .evaluation.report import format_table
+    from .evaluation.run import evaluate
+
+    cfg = recipe.eval
+    if not cfg.prompts:
+        print("acceptance eval skipped: set eval.prompts to a prompt suite (e.g. Spec-Bench questions JSONL)")
+        return {}
+    drafter.eval()
+    results = {}
+    for temperature in cfg.temperatures:
+        sources = {recipe.drafter_family: drafter.draft_source(target)}
+        if cfg.prompt_lookup_baseline:
+            sources["prompt-lookup"] = PromptLookupSource()
+        results[temperature] = evaluate(
+            target, sources, cfg.prompts, SamplingParams(temperature=temperature), k=cfg.k,
+            max_new_tokens=cfg.max_new_tokens, out_dir=out_dir / f"temperature-{temperature:g}",
+            num_prompts=cfg.num_prompts, wandb_run=wandb_run, show_progress=show_progress,
+        )
+        print(format_table(results[temperature]))
+    return results
 
 
 def _write_final_drafter(run_dir: Path, step_module, accelerator) -> None:

@@ -120,7 +120,8 @@ def test_eagle1_follows_the_reference_layout():
     target = tiny_target("qwen2")
     drafter = build("eagle1", target)
     names = set(drafter.state_dict())
-    assert {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight", "layers.0.self_attn.q_proj.bias"} <= names
+    assert {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
+            "layers.0.self_attn.q_proj.bias"} <= names  # Qwen2's attention biases came along
     # No input norm on the single layer, and nothing borrowed from the target is saved.
     assert not any("input_layernorm" in n or "embed_tokens" in n or "lm_head" in n for n in names)
     assert drafter.fc.weight.shape == (64, 128)
@@ -157,7 +158,8 @@ def test_eagle3_layer_matches_the_formula():
     def rms(x, w):
         return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-    x = torch.cat([rms(target.embed_tokens(tokens), layer.input_layernorm.weight), rms(g, layer.hidden_norm.weight)], -1)
+    embeds = target.embed_tokens(tokens)
+    x = torch.cat([rms(embeds, layer.input_layernorm.weight), rms(g, layer.hidden_norm.weight)], -1)
     a = layer.self_attn
     q = (x @ a.q_proj.weight.T).view(B, T, heads, d).transpose(1, 2)
     k = (x @ a.k_proj.weight.T).view(B, T, kv, d).transpose(1, 2).repeat_interleave(2, dim=1)
@@ -176,7 +178,8 @@ def test_eagle3_layer_matches_the_formula():
     h = g + attn
     m = layer.mlp
     y = rms(h, layer.post_attention_layernorm.weight)
-    expected = h + (torch.nn.functional.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    mlp = (torch.nn.functional.silu(y @ m.gate_proj.weight.T) * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    expected = h + mlp
     assert torch.allclose(out, expected, atol=1e-5)
 
 
@@ -192,7 +195,8 @@ def test_packed_rows_match_the_documents_run_alone():
     alone_out = target(doc_b)
     # Rows of doc_b whose TTT inputs all stay inside doc_b: step k reads token i + k + 1.
     eagle3 = build("eagle3", target, ttt_steps=3)
-    packed_steps = eagle3.unroll(packed_out.aux_hidden, packed, positions, block_causal_mask(torch.ones(1, 16), seq_ids))
+    packed_mask = block_causal_mask(torch.ones(1, 16), seq_ids)
+    packed_steps = eagle3.unroll(packed_out.aux_hidden, packed, positions, packed_mask)
     alone_steps = eagle3.unroll(alone_out.aux_hidden, doc_b, torch.arange(7)[None], block_causal_mask(torch.ones(1, 7)))
     for k in range(3):
         rows = 7 - k - 1

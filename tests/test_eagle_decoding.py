@@ -102,7 +102,8 @@ def test_sampled_proposals_are_drawn_from_q_within_the_draft_vocabulary(family):
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     source = drafter.draft_source(target)
     source.start(prompt[:, :8], target(prompt[:, :8]))
-    proposal = source.propose(prompt[:, 8:], 5, SamplingParams(temperature=0.8, top_k=20), torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0.8, top_k=20)
+    proposal = source.propose(prompt[:, 8:], 5, params, torch.Generator().manual_seed(0))
     q = proposal.probs[0]
     assert torch.allclose(q.sum(-1), torch.ones(5))
     assert (q.gather(1, proposal.tokens[0][:, None]) > 0).all()  # every draft had positive probability

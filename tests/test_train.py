@@ -134,3 +134,23 @@ def test_wandb_offline_and_tensorboard_trackers(tmp_path, target_dir, data, monk
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
     assert runs, "wandb wrote no offline run"
     assert list((tmp_path / "run").rglob("events.out.tfevents.*")), "tensorboard wrote no events"
+
+
+def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path):
+    target = save_tiny_target(tmp_path / "target", num_hidden_layers=8)
+    data = make_chat_data(tmp_path / "chat.jsonl", n=32)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                                 for i, (c, t) in enumerate([("a", "Tell me a story about a cat."),
+                                                             ("b", "What is the capital of France?")])))
+    raw = make_recipe(tmp_path, target, data, training={"max_steps": 2})
+    raw["target"]["taps"] = "eagle3"
+    raw["drafter"] = {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 64}
+    raw["eval"] = {"enabled": True, "prompts": str(questions), "num_prompts": 2, "k": 3,
+                   "temperatures": [0.0], "max_new_tokens": 8}
+    run_dir = train(parse_recipe(raw), show_progress=False)
+    result = json.loads(next((run_dir / "eval" / "temperature-0").glob("*.json")).read_text())
+    assert set(result["methods"]) == {"plain", "eagle3", "prompt-lookup"}
+    assert set(result["methods"]["eagle3"]["by_category"]) == {"a", "b"}
+    # temperature 0 through the real decoder: every method emits the target's own greedy tokens
+    assert result["greedy_identical"] == {"eagle3": 1.0, "prompt-lookup": 1.0}

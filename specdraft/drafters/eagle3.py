@@ -212,7 +212,8 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
             rows = max(T - k - 2, 0)
             logits = self.draft_logits(hidden[:, :rows])
             step_target = target_probs[:, k + 1 : k + 1 + rows]
-            weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 1 : k + 1 + rows] & attention[:, :rows] & attention[:, k + 2 :]
+            weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 1 : k + 1 + rows]
+            weight = weight & attention[:, :rows] & attention[:, k + 2 :]
             if seq_ids is not None:  # packing: the predicted token must be in row i's document
                 weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
             losses.append(soft_cross_entropy(logits, step_target, weight))

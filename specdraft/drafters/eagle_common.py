@@ -256,7 +256,8 @@ class EagleDraftSource:
             probs.append(self._to_target_vocab(q))
         if not drafts:
             B = pending.shape[0]
-            return Proposal(pending.new_zeros(B, 0), torch.zeros(B, 0, self._target_vocab_size(), device=pending.device))
+            no_probs = torch.zeros(B, 0, self._target_vocab_size(), device=pending.device)
+            return Proposal(pending.new_zeros(B, 0), no_probs)
         return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1))
 
     def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
