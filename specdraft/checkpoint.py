@@ -110,9 +110,10 @@ def _zero_shard_file(ckpt: Path, rank: int) -> Path:
 def _zero_state_classes():
     """The plain-data DeepSpeed classes a ZeRO optimizer state holds, allowed for weights_only loads."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, fragment_address]):
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
         yield
 
 

@@ -62,7 +62,8 @@ class TrainingConfig:
     epochs: float | None = None
     micro_batch_size: int = 1
     grad_accumulation: int = 1
-    max_grad_norm: float = 0.5
+    max_grad_norm: float = 0.5  # 0 = off
+    clip_grad_value: float | None = None  # element-wise clipping (the EAGLE-1 reference's choice)
     mixed_precision: str = "no"  # no | bf16 | fp16
     seed: int = 0
     log_every: int = 10
@@ -209,6 +210,17 @@ def parse_recipe(raw: dict) -> Recipe:
     drafter_raw = dict(drafter_raw)
     family = get_family(drafter_raw.pop("family"))
     raw["drafter"] = parse_dataclass(family.config_cls, drafter_raw, "drafter")
+    # The family's paper defaults (lr, betas, clipping, ...) fill what the recipe leaves unset.
+    family_defaults = dict(getattr(family.config_cls, "optimizer_defaults", {}))
+    if family_defaults:
+        training = raw.setdefault("training", {}) or {}
+        for key in ("max_grad_norm", "clip_grad_value"):
+            if key in family_defaults:
+                training.setdefault(key, family_defaults.pop(key))
+        optimizer = raw.setdefault("optimizer", {}) or {}
+        for key, value in family_defaults.items():
+            optimizer.setdefault(key, list(value) if isinstance(value, tuple) else value)
+        raw["training"], raw["optimizer"] = training, optimizer
     hints = typing.get_type_hints(Recipe)
     hints["drafter"] = Any
     recipe_fields = {f.name for f in dataclasses.fields(Recipe)} - {"drafter_family"}

@@ -333,21 +333,20 @@ def train(model, token_lists, recipe: ToyRecipe, *, steps: int | None, minutes: 
 
 
 @torch.no_grad()
-def heldout_loss(model, tokenizer, texts: list[str], seq_len: int, max_chunks: int | None = None) -> tuple[float, int]:
+def heldout_loss(model, tokenizer, texts: list[str], seq_len: int) -> tuple[float, int]:
     """Mean next-token loss in nats/token over texts (each as a plain document,
     cut into seq_len chunks that never cross files). Returns (loss, tokens scored)."""
     model.eval()
-    total, count, chunks = 0.0, 0, 0
+    total, count = 0.0, 0
     for text in texts:
         ids = tokenizer(text + END, add_special_tokens=False)["input_ids"]
         for begin in range(0, len(ids) - 1, seq_len):
             chunk = torch.tensor([ids[begin : begin + seq_len]])
-            if chunk.shape[1] < 2 or (max_chunks is not None and chunks >= max_chunks):
+            if chunk.shape[1] < 2:
                 continue
             logits = model(input_ids=chunk).logits.float()
             total += torch.nn.functional.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum").item()
             count += chunk.shape[1] - 1
-            chunks += 1
     return total / max(count, 1), count
 
 
@@ -397,7 +396,7 @@ def loop_report(model, tokenizer, heldout: dict[str, str], recipe: ToyRecipe) ->
             new = out[0, len(prompt_ids):].tolist()
             generated.append(new)
             real.append(true_ids)
-            if len(samples) < 2 * (kind == "chat") + 2:
+            if sum(s["kind"] == kind for s in samples) < 2:  # keep two of each kind for BUILD.md
                 samples.append({"kind": kind, "prompt": tokenizer.decode(prompt_ids), "greedy": tokenizer.decode(new)})
 
         def mean(values):

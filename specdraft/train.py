@@ -209,12 +209,13 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     target = load_target(recipe, accelerator.device)
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
     draft_vocab = None
-    if family.needs_draft_vocab:
+    draft_vocab_size = getattr(recipe.drafter, "draft_vocab_size", None)
+    if family.needs_draft_vocab and draft_vocab_size and draft_vocab_size < target.vocab_size:
         from .data.pipeline import vocab_cache_key_parts
         from .data.vocab import build_draft_vocab
 
         draft_vocab = build_draft_vocab(
-            train_ds, target.vocab_size, recipe.drafter.draft_vocab_size or target.vocab_size,
+            train_ds, target.vocab_size, draft_vocab_size,
             cache_dir=cache_home() / "draft_vocab",
             cache_key_parts=vocab_cache_key_parts(recipe.data, target.tokenizer),
         )
@@ -307,6 +308,8 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
                             "Lower optimizer.lr, set training.max_grad_norm, or use bf16 instead of fp16."
                         )
                     accelerator.backward(loss)
+                    if accelerator.sync_gradients and tcfg.clip_grad_value:
+                        accelerator.clip_grad_value_(step_module.parameters(), tcfg.clip_grad_value)
                     if accelerator.sync_gradients and tcfg.max_grad_norm:
                         accelerator.clip_grad_norm_(step_module.parameters(), tcfg.max_grad_norm)
                     optimizer.step()

@@ -144,3 +144,17 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
     if recipe.target.path != "toy":  # the toy's arch flags are checked in the drafter's own tests
         assert trainable == expected, (trainable, expected)
     assert all(p.device.type == "meta" for p in drafter.trainable_parameters())
+
+
+def test_family_paper_defaults_fill_what_the_recipe_leaves_unset():
+    raw = yaml.safe_load(yaml.safe_dump(MINIMAL))
+    raw["drafter"] = {"family": "eagle1"}
+    eagle1 = parse_recipe(raw)
+    # EAGLE-1 reference: AdamW(lr 3e-5, betas 0.9/0.95), clip_grad_value_(0.5)
+    assert eagle1.optimizer.lr == pytest.approx(3e-5) and eagle1.optimizer.betas == [0.9, 0.95]
+    assert eagle1.training.clip_grad_value == 0.5 and eagle1.training.max_grad_norm == 0.0
+    eagle3 = parse_recipe(yaml.safe_load(yaml.safe_dump(MINIMAL)))
+    assert eagle3.optimizer.lr == pytest.approx(5e-5) and eagle3.training.max_grad_norm == 0.5
+    assert eagle3.training.clip_grad_value is None
+    raw = apply_overrides(yaml.safe_load(yaml.safe_dump(MINIMAL)), ["optimizer.lr=1e-3"])
+    assert parse_recipe(raw).optimizer.lr == pytest.approx(1e-3)  # the recipe wins

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from specdraft.data.vocab import DraftVocab
+from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, get_family, load_drafter
 from specdraft.drafters.eagle1 import EAGLE1, Eagle1Config
 from specdraft.drafters.eagle3 import EAGLE3, Eagle3Config
@@ -244,14 +245,16 @@ def test_save_load_gives_identical_logits(family, arch, tmp_path):
 
     loaded = load_drafter(tmp_path / "drafter", target)
     assert type(loaded) is type(drafter)
-    for a, b in ((drafter.eval(), loaded.eval()),):
-        assert torch.equal(a.compute_loss(batch, target_out).loss, b.compute_loss(batch, target_out).loss)
-        features = a.draft_input(a.target_features(target_out))
-        mask = block_causal_mask(batch["attention_mask"])
-        positions = torch.arange(24).expand(2, 24)
-        out_a = a.draft_logits(a.draft_step(features, shift_left(batch["input_ids"], 1), positions, mask=mask))
-        out_b = b.draft_logits(b.draft_step(features, shift_left(batch["input_ids"], 1), positions, mask=mask))
-        assert torch.equal(out_a, out_b)
+    drafter.eval(), loaded.eval()
+    assert torch.equal(drafter.compute_loss(batch, target_out).loss, loaded.compute_loss(batch, target_out).loss)
+    mask, positions = block_causal_mask(batch["attention_mask"]), torch.arange(24).expand(2, 24)
+
+    def logits(d):
+        hidden = d.draft_step(d.draft_input(d.target_features(target_out)), shift_left(batch["input_ids"], 1),
+                              positions, mask=mask)
+        return d.draft_logits(hidden)
+
+    assert torch.equal(logits(drafter), logits(loaded))
 
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert saved["family"] == family
@@ -405,6 +408,4 @@ def test_an_fp32_drafter_trains_and_drafts_on_a_bf16_target(family):
     assert torch.isfinite(loss) and drafter.fc.weight.grad is not None
     source = drafter.draft_source(target)
     source.start(batch["input_ids"][:1, :8], target(batch["input_ids"][:1, :8]))
-    from specdraft.decoding.sampling import SamplingParams
-
     assert source.propose(batch["input_ids"][:1, 8:9], 3, SamplingParams(), None).tokens.shape == (1, 3)

@@ -29,7 +29,7 @@ from specdraft.toy_target import (
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TINY = ToyRecipe(
     vocab_size=320, hidden_size=32, num_layers=7, num_heads=2, num_kv_heads=1, intermediate_size=64,
-    max_position_embeddings=1024, seq_len=64, batch_size=2, warmup_steps=2, heldout_percent=20.0,
+    max_position_embeddings=1024, seq_len=256, batch_size=2, warmup_steps=2, heldout_percent=20.0,
     eval_prompts=1, eval_new_tokens=8,
 )
 

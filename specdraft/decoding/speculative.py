@@ -82,7 +82,7 @@ def speculative_decode(
     cache = DynamicCache(config=target.config)
     out = target(prompt_ids, past_key_values=cache, use_cache=True)
     source.start(prompt_ids, out)
-    pending = sample(logits_to_probs(out.logits[:, -1], params), generator).view(1, 1)  # [1, 1]
+    pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
     tokens, steps, alphas = [pending.item()], [], []
     prefill_seconds = _clock(device) - start
 
@@ -108,7 +108,7 @@ def speculative_decode(
         else:
             bonus = sample_with_exponentials(p[num_drafts:], noise)  # [1] ~ p_{K'+1}
             emitted, num_accepted = verify_lib.verify(
-                drafts[0], torch.tensor([num_drafts], device=device), None if q is None else q[0],
+                drafts[0], torch.full((1,), num_drafts, device=device), None if q is None else q[0],
                 p[:num_drafts], bonus, draw_uniforms(num_drafts, generator, device), noise, greedy,
                 max_spec_len=num_drafts, lenience=lenience,
             )  # fmt: skip
@@ -152,12 +152,12 @@ def plain_decode(
     start = _clock(device)
     cache = DynamicCache(config=target.config)
     out = target(prompt_ids, past_key_values=cache, use_cache=True)
-    token = sample(logits_to_probs(out.logits[:, -1], params), generator).view(1, 1)
+    token = _next_token(out.logits[:, -1], params, generator)
     tokens = [token.item()]
     prefill_seconds = _clock(device) - start
     while len(tokens) < budget and tokens[-1] not in stop_ids:
         out = target(token, past_key_values=cache, use_cache=True)
-        token = sample(logits_to_probs(out.logits[:, -1], params), generator).view(1, 1)
+        token = _next_token(out.logits[:, -1], params, generator)
         tokens.append(token.item())
     return DecodeOutput(tokens, [], prefill_seconds, _clock(device) - start)
 
@@ -190,6 +190,13 @@ def check_decode_args(target, prompt_ids, max_new_tokens: int, k: int = 1, lenie
             "(e.g. a smaller --prefix-tokens, or drop the longest prompts)."
         )
     return min(max_new_tokens, context - prompt_len)
+
+
+def _next_token(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
+    """[1, V] logits -> [1, 1] token drawn from the warped p (greedy: the argmax, no noise needed)."""
+    if params.is_greedy:
+        return logits.argmax(-1, keepdim=True)
+    return sample(logits_to_probs(logits, params), generator).view(1, 1)
 
 
 def _typical_verify(drafts: torch.Tensor, p: torch.Tensor, noise: torch.Tensor):

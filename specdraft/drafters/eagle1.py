@@ -57,7 +57,7 @@ class Eagle1Config:
     # Recommended optimizer for the training loop (reference main.py): AdamW, betas (0.9, 0.95),
     # lr 3e-5, torch's default weight decay 0.01, and gradient *value* clipping at 0.5.
     optimizer_defaults: ClassVar[dict] = {
-        "lr": 3e-5, "betas": (0.9, 0.95), "weight_decay": 0.01, "clip_grad_value": 0.5,
+        "lr": 3e-5, "betas": (0.9, 0.95), "weight_decay": 0.01, "clip_grad_value": 0.5, "max_grad_norm": 0.0,
     }
 
     def __post_init__(self):
