@@ -37,7 +37,8 @@ def test_question_file(tmp_path):
 
 
 def test_prompt_and_text_records_and_code_folder(tmp_path):
-    path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "Tell me a story."}, {"text": "def f(x):", "category": "py"}])
+    records = [{"prompt": "Tell me a story."}, {"text": "def f(x):", "category": "py"}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", records)
     prompt, text = load_suite(path)
     assert (prompt.kind, prompt.category, prompt.turns) == ("prompt", "prompt", ["Tell me a story."])
     assert (text.kind, text.category) == ("text", "py")

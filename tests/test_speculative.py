@@ -217,3 +217,22 @@ def test_source_returning_too_many_drafts_is_caught(target):
 
     with pytest.raises(SpecdraftError, match="asked for at most"):
         speculative_decode(target, Greedy(), prompts(2)[1], k=2)
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_drafter_families_plug_in(family):
+    """Any registered drafter's DraftSource runs through the decoder and stays lossless (greedy)."""
+    from transformers import LlamaConfig
+
+    from specdraft.drafters import get_family
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    target = FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")
+    fam = get_family(family)
+    source = fam.build(target, fam.config_cls()).draft_source(target)
+    for prompt in prompts(3):
+        expected = plain_decode(target, prompt, max_new_tokens=MAX_NEW).tokens
+        assert hf_greedy(target.model, prompt, MAX_NEW) == expected
+        assert speculative_decode(target, source, prompt, k=3, max_new_tokens=MAX_NEW).tokens == expected

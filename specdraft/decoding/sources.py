@@ -38,7 +38,9 @@ class DraftLMSource:
     def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         self._bind_vocab(target_out.logits.shape[-1])
         self.cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=self._to_draft_ids(prompt_ids), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.model(
+            input_ids=self._to_draft_ids(prompt_ids), past_key_values=self.cache, use_cache=True, logits_to_keep=1
+        )
         self.num_committed = prompt_ids.shape[1]
         self.unread = prompt_ids[:, :0]  # committed tokens the draft has not read yet
 
@@ -80,7 +82,8 @@ class DraftLMSource:
             self.draft_ids, self.target_ids, self.target_to_draft = None, None, None
         else:
             vocab_map = self.vocab_map.long()
-            if vocab_map.shape != (self.draft_vocab_size,) or vocab_map.max() >= target_vocab_size or vocab_map.min() < -1:
+            in_range = vocab_map.numel() == 0 or (vocab_map.min() >= -1 and vocab_map.max() < target_vocab_size)
+            if vocab_map.shape != (self.draft_vocab_size,) or not in_range:
                 raise SpecdraftError(
                     f"vocab_map must be a [{self.draft_vocab_size}] tensor of target ids in "
                     f"[0, {target_vocab_size}) or -1, got shape {tuple(vocab_map.shape)}; build it with "

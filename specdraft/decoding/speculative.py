@@ -93,7 +93,9 @@ def speculative_decode(
         drafts, q = proposal.tokens, proposal.probs  # [1, K'], [1, K', V] or None (one-hot q)
         num_drafts = drafts.shape[1]
         if num_drafts > k_step:
-            raise SpecdraftError(f"{type(source).__name__}.propose returned {num_drafts} drafts, asked for at most {k_step}")
+            raise SpecdraftError(
+                f"{type(source).__name__}.propose returned {num_drafts} drafts, asked for at most {k_step}"
+            )
         t1 = _clock(device)
 
         # One forward over K'+1 positions: logits[:, i] is p_{i+1}, the target's next-token

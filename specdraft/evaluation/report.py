@@ -101,8 +101,8 @@ def plot_acceptance_by_position(result: dict, path: Path) -> None:
 def plot_speedup_heatmap(result: dict, path: Path) -> None:
     """Predicted speedup over alpha x K at each method's measured c, with the measured (alpha, K) marked."""
     plt = _pyplot()
-    measured = [(m, g["overall"]) for m, g in result["methods"].items()
-                if g["overall"]["alpha_measured"] is not None and g["overall"]["draft_cost_ratio"] is not None]  # fmt: skip
+    summaries = [(method, groups["overall"]) for method, groups in result["methods"].items()]
+    measured = [(m, s) for m, s in summaries if s["alpha_measured"] is not None and s["draft_cost_ratio"] is not None]
     k = result["config"]["k"]
     fig, axes = plt.subplots(1, max(1, len(measured)), figsize=(5 * max(1, len(measured)), 4), squeeze=False)
     alphas = [i / 50 for i in range(50)]  # 0 .. 0.98
@@ -148,9 +148,8 @@ def _fmt(value, fmt: str) -> str:
 
 def _config_line(result: dict) -> str:
     cfg = result["config"]
-    parts = [f"K={cfg['k']}", f"temperature={cfg['temperature']}", f"top_k={cfg['top_k']}", f"top_p={cfg['top_p']}",
-             f"max_new_tokens={cfg['max_new_tokens']}", f"prompts={cfg['num_prompts']}", f"device={cfg['device']}"]  # fmt: skip
-    return ", ".join(parts)
+    keys = ["k", "temperature", "top_k", "top_p", "max_new_tokens", "num_prompts", "device"]
+    return ", ".join(f"{key}={cfg[key]}" for key in keys)
 
 
 def _footnotes(result: dict) -> list[str]:

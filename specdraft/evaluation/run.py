@@ -49,7 +49,9 @@ def evaluate(
     """Decode every prompt with plain decoding and with each source; return (and write) the report dict."""
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
-        raise SpecdraftError("evaluate needs the target's tokenizer: load the target with from_pretrained or pass tokenizer=.")
+        raise SpecdraftError(
+            "evaluate needs the target's tokenizer: load the target with from_pretrained, or pass tokenizer=."
+        )
     if PLAIN in sources:
         raise SpecdraftError(f"{PLAIN!r} names the plain-decoding baseline, which always runs; rename that source.")
     prompts = _as_prompts(prompts, num_prompts)
@@ -66,6 +68,8 @@ def evaluate(
         return speculative_decode(target, source, prompt_ids, k=k, lenience=lenience,
                                   typical_acceptance=typical_acceptance, **common)  # fmt: skip
 
+    _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens)
+
     # Warm up every method (lazy initialisation, allocator) so the first timed decode is not penalised.
     warmup_ids = prompt_token_ids(tokenizer, prompts[0], prefix_tokens=prefix_tokens)
     for source in methods.values():
@@ -80,7 +84,10 @@ def evaluate(
             answers = []
             for turn in range(len(prompt.turns)):
                 ids = prompt_token_ids(tokenizer, prompt, answers, prefix_tokens)
-                out = decode(source, ids, seed + 1000 * index + turn, max_new_tokens)
+                try:
+                    out = decode(source, ids, seed + 1000 * index + turn, max_new_tokens)
+                except SpecdraftError as e:  # e.g. a later turn outgrew the context: say which
+                    raise SpecdraftError(f"{name} on {prompt.suite}/{prompt.id}, turn {turn + 1}: {e}") from e
                 records[name].append((prompt, out))
                 # Multi-turn: this method's own answer is the context of the next turn.
                 answers.append(tokenizer.decode([t for t in out.tokens if t not in stop_ids], skip_special_tokens=True))
@@ -131,6 +138,22 @@ def _as_prompts(prompts, num_prompts) -> list[Prompt]:
     return loaded
 
 
+def _check_prompt_lengths(target, tokenizer, prompts: list[Prompt], prefix_tokens: int) -> None:
+    """Fail before decoding anything if a first turn does not fit the target's context."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context is None:
+        return
+    lengths = [(p, len(prompt_token_ids(tokenizer, p, prefix_tokens=prefix_tokens))) for p in prompts]
+    too_long = [(p, n) for p, n in lengths if n >= context]
+    if too_long:
+        listed = ", ".join(f"{p.suite}/{p.id} ({n} tokens)" for p, n in too_long[:5])
+        raise SpecdraftError(
+            f"{len(too_long)} prompt(s) do not fit the target's context of {context} tokens "
+            f"(max_position_embeddings): {listed}{' ...' if len(too_long) > 5 else ''}; remove them from the "
+            "suite, use a target with a longer context, or (for text prefixes) a smaller --prefix-tokens."
+        )
+
+
 def _instantiate(source):
     """A DraftSource, or a zero-argument factory (or class) returning one."""
     if isinstance(source, DraftSource) and not isinstance(source, type):  # a class passes the Protocol check too
@@ -162,16 +185,19 @@ def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, promp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model folder or hub id ('toy' = the shipped toy target)")
+    parser.add_argument("--target", required=True,
+                        help="target model folder or hub id ('toy' = the shipped toy target)")
     parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
                         help="a trained drafter folder (repeatable)")
     parser.add_argument("--draft-model", action="append", default=[], metavar="PATH",
                         help="an independent draft LM (e.g. a DistillSpec student; repeatable)")
     parser.add_argument("--map-draft-vocab", action="store_true",
-                        help="allow a --draft-model whose tokenizer differs from the target's, mapping tokens by string")
+                        help="allow a --draft-model whose tokenizer differs from the target's "
+                             "(tokens are mapped by their strings)")
     parser.add_argument("--prompt-lookup", action="store_true", help="also evaluate n-gram prompt lookup (no model)")
     parser.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
-                        help="suite(s): Spec-Bench/MT-bench question JSONL, JSONL with `prompt` or `text`, or a folder of .py files")
+                        help="suite(s): Spec-Bench/MT-bench question JSONL, JSONL with `prompt` or `text`, "
+                             "or a folder of .py files")
     parser.add_argument("--num-prompts", type=int, default=None, help="per suite, spread evenly over the file")
     parser.add_argument("--prefix-tokens", type=int, default=128, help="length of `text` / code prefixes")
     parser.add_argument("-k", "--k", type=int, default=5, help="drafts per step")
@@ -187,7 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LOSSY below 1: accept drafts while u < p / (lenience q) (default 1.0 = exact)")
     parser.add_argument("--typical-acceptance", action="store_true",
                         help="LOSSY: Medusa's typical acceptance instead of exact speculative sampling")
-    parser.add_argument("--wandb", action="store_true", help="log the table to Weights & Biases (WANDB_MODE=offline works)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log the table to Weights & Biases (WANDB_MODE=offline works)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (on a busy CPU, 1 avoids oversubscription stalls)")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -201,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.k < 1:
         raise SpecdraftError(f"-k must be >= 1, got {args.k}; 4-8 drafts per step is typical.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = FrozenTarget.from_pretrained(
         resolve_target_path(args.target), dtype=args.dtype, taps=_drafter_taps(args.drafter),
@@ -209,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
 
     sources: dict[str, Callable[[], DraftSource]] = {}
     for path in args.drafter:
-        sources[_unique_name(sources, Path(path).name)] = lambda path=path: load_drafter(path, target).draft_source(target)
+        name = _unique_name(sources, Path(path).name)
+        sources[name] = lambda path=path: load_drafter(path, target).draft_source(target)  # loaded when evaluated
     for path in args.draft_model:
         draft_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype),
@@ -251,7 +283,9 @@ def _drafter_taps(drafter_dirs: list[str]) -> list[int] | None:
     for path in drafter_dirs:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
-            raise SpecdraftError(f"--drafter {path} is not a saved drafter (no config.json); point at a run's drafter folder.")
+            raise SpecdraftError(
+                f"--drafter {path} is not a saved drafter (no config.json); point at a run's drafter folder."
+            )
         taps.add(tuple(json.loads(config_file.read_text()).get("target_taps") or ()))
     taps.discard(())
     if len(taps) > 1:

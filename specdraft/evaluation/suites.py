@@ -83,7 +83,7 @@ def _read_jsonl(path: Path) -> list[Prompt]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SpecdraftError(f"{where} is not valid JSON ({e}); the file must hold one JSON object per line.") from e
+            raise SpecdraftError(f"{where} is not valid JSON ({e}); write one JSON object per line.") from e
         if not isinstance(record, dict):
             raise SpecdraftError(f"{where} is a {type(record).__name__}, not a JSON object.")
         prompts.append(_parse_record(record, where, path.stem, line_number))

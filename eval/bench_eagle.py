@@ -1,0 +1,167 @@
+"""Benchmark (issue 3): EAGLE-1 vs EAGLE-3 vs prompt lookup on the toy target.
+
+One run, one target, one set of held-out prompts:
+  1. data      the toy target answers chat prompts from its *training* files, exactly as
+               `specdraft quickstart` does (cached in --work, so reruns skip it)
+  2. train     EAGLE-1 and EAGLE-3 through `specdraft.train.train` with the shipped toy recipes
+               (recipes/toy_eagle{1,3}.yaml), same data; wall-clock time and steps are recorded
+  3. evaluate  ONE `evaluate(...)` call per temperature (0 and 1) with sources
+               {eagle1, eagle3, prompt-lookup} plus plain decoding of the same target,
+               on prompts from the toy target's *held-out* files, chain K=5
+and prints one Markdown table per temperature: tau (tokens per target forward, bonus included),
+the acceptance rate of draft positions 1..5 (given the earlier ones were accepted), alpha,
+the draft cost c, tokens/s and the measured speedup over plain decoding.
+
+  python eval/bench_eagle.py                                  # the shipped toy target
+  python eval/bench_eagle.py --target /tmp/toy-quick --train-prompts 200 --eval-prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from specdraft.config import load_recipe
+from specdraft.decoding.sampling import SamplingParams
+from specdraft.decoding.sources import PromptLookupSource
+from specdraft.drafters import load_drafter
+from specdraft.errors import SpecdraftError
+from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.suites import Prompt
+from specdraft.quickstart import RECIPES_DIR, write_jsonl
+from specdraft.target import FrozenTarget, resolve_target_path
+from specdraft.toy_target import definition_prompts, list_source_files
+
+K = 5
+TEMPERATURES = (0.0, 1.0)
+DRAFTERS = ("eagle1", "eagle3")
+REGENERATE_TOKENS = 160  # the quickstart's answer length
+
+
+def toy_prompts(target_dir: Path, split: str, limit: int, seed: int = 0) -> list[dict]:
+    """``specdraft.quickstart.toy_prompts`` for any toy-target folder (it reads the shipped one):
+    definition prompts from the files that target trained on ("train") or held out ("heldout")."""
+    record = json.loads((target_dir / "build_record.json").read_text())
+    heldout = set(record["heldout_files"])
+    chosen = {rel: text for rel, text in list_source_files().items() if (rel in heldout) == (split == "heldout")}
+    prompts = [p for rel, text in chosen.items() for p, _ in definition_prompts(rel, text)]
+    random.Random(seed).shuffle(prompts)
+    if len(prompts) < limit:
+        raise SpecdraftError(f"only {len(prompts)} {split} prompts exist for {target_dir}; ask for fewer")
+    return [{"id": i, "turns": [p]} for i, p in enumerate(prompts[:limit])]
+
+
+def training_answers(target_dir: Path, work: Path, num_prompts: int) -> Path:
+    """The target's own answers to training-file prompts (the quickstart's step 2), cached per target."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.data.regenerate import regenerate
+
+    answers = work / "data" / "answers.jsonl"
+    stamp = {"target": str(target_dir.resolve()), "target_mtime": (target_dir / "model.safetensors").stat().st_mtime,
+             "prompts": num_prompts, "max_new_tokens": REGENERATE_TOKENS}
+    stamp_file = answers.with_suffix(".stamp.json")
+    if answers.is_file() and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        print(f"reusing {answers} ({num_prompts} answers by {target_dir})")
+        return answers
+    answers.unlink(missing_ok=True)  # regenerate appends: never mix answers of two targets
+    prompts_file = write_jsonl(work / "data" / "train_prompts.jsonl", toy_prompts(target_dir, "train", num_prompts))
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    started = time.perf_counter()
+    regenerate(model, tokenizer, prompts_file, answers, temperature=0.0, max_new_tokens=REGENERATE_TOKENS,
+               batch_size=32)
+    print(f"the target answered {num_prompts} prompts in {time.perf_counter() - started:.0f} s -> {answers}")
+    stamp_file.write_text(json.dumps(stamp))
+    return answers
+
+
+def train_drafter(family: str, target_dir: Path, answers: Path, work: Path, steps: int | None) -> dict:
+    """Train one drafter with its shipped toy recipe; returns where it is and what it cost."""
+    from specdraft.train import train
+
+    overrides = [f"target.path={target_dir}", f"data.path={answers}",
+                 f"checkpoint.output_dir={work / 'runs' / family}", "eval.enabled=false"]
+    if steps:
+        overrides.append(f"training.max_steps={steps}")
+    recipe = load_recipe(RECIPES_DIR / f"toy_{family}.yaml", overrides)
+    print(f"training {family}: {recipe.training.max_steps} steps x {recipe.training.micro_batch_size} samples, "
+          f"lr {recipe.optimizer.lr}")
+    started = time.perf_counter()  # everything a user waits for: loading, data, draft vocab, loop, save
+    run_dir = train(recipe, overwrite=True)
+    seconds = time.perf_counter() - started
+    final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    return {"drafter": run_dir / "drafter", "seconds": seconds, "steps": recipe.training.max_steps,
+            "final_metrics": {k: v for k, v in final.items() if k.startswith("eval/")}}
+
+
+def markdown_table(result: dict) -> str:
+    """method | tau | acceptance at draft positions 1..K | alpha | c | tok/s | speedup."""
+    header = ["method", "tau", *[f"pos {i}" for i in range(1, K + 1)], "alpha", "c", "tok/s", "speedup"]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for method, groups in result["methods"].items():
+        s = groups["overall"]
+        positions = (s["position_acceptance"] or [None] * K) + [None] * K
+        cells = [method, fmt(s["acceptance_length"], ".2f"), *[fmt(p, ".3f") for p in positions[:K]],
+                 fmt(s["alpha_measured"], ".3f"), fmt(s["draft_cost_ratio"], ".3f"),
+                 fmt(s["tokens_per_second"], ".1f"), fmt(s["speedup"], ".2f") + ("x" if s["speedup"] else "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="toy", help="toy-target folder (default: the shipped toy target)")
+    parser.add_argument("--work", default="bench-eagle", help="data, runs and eval reports go here")
+    parser.add_argument("--train-prompts", type=int, default=800, help="training-file prompts the target answers")
+    parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts per temperature")
+    parser.add_argument("--steps-eagle1", type=int, default=None, help="default: recipes/toy_eagle1.yaml's")
+    parser.add_argument("--steps-eagle3", type=int, default=None, help="default: recipes/toy_eagle3.yaml's")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    target_dir, work = Path(resolve_target_path(args.target)), Path(args.work)
+    answers = training_answers(target_dir, work, args.train_prompts)
+    steps = {"eagle1": args.steps_eagle1, "eagle3": args.steps_eagle3}
+    trained = {family: train_drafter(family, target_dir, answers, work, steps[family]) for family in DRAFTERS}
+
+    # Both drafters read one target: EAGLE-3 needs its taps, EAGLE-1 only the last hidden state.
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32", taps="eagle3")
+    drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
+    prompts = [Prompt(id=str(p["id"]), suite="toy-heldout", category="code", kind="question", turns=p["turns"])
+               for p in toy_prompts(target_dir, "heldout", args.eval_prompts)]
+    results = {}
+    for temperature in TEMPERATURES:
+        sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
+        sources["prompt-lookup"] = PromptLookupSource()
+        results[temperature] = evaluate(target, sources, prompts, SamplingParams(temperature=temperature), k=K,
+                                        max_new_tokens=args.max_new_tokens,
+                                        out_dir=work / "eval" / f"temperature-{temperature:g}")
+
+    print(f"\n## EAGLE-1 vs EAGLE-3 vs prompt lookup ({target_dir.name}, {args.eval_prompts} held-out prompts, "
+          f"K={K}, max {args.max_new_tokens} new tokens, {args.threads} threads)")
+    for temperature, result in results.items():
+        print(f"\n### temperature {temperature:g}\n\n{markdown_table(result)}")
+        identical = result.get("greedy_identical")
+        if identical:
+            print("\ngreedy output identical to plain decoding: " + ", ".join(f"{m} {v:.0%}" for m, v in identical.items()))
+    print("\ntraining (same data: " + f"{args.train_prompts} answers): " + "; ".join(
+        f"{family} {run['steps']} steps in {run['seconds'] / 60:.1f} min" for family, run in trained.items()))
+    for family, run in trained.items():
+        print(f"  {family} final held-out training metrics: "
+              + ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in sorted(run["final_metrics"].items())))
+
+
+if __name__ == "__main__":
+    main()
