@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from .atomic import atomic_folder
 from .checkpoint import find_drafter_dir
 from .errors import SpecdraftError
 from .target import sglang_layer_ids
@@ -345,24 +344,13 @@ def _specdraft_tensors(saved: dict, fmt: str, tensors: dict) -> dict:
 
 def _write_folder(path: Path, config: dict, tensors: dict, side: dict | None) -> None:
     """config.json + model.safetensors (+ specdraft.json), written to a temporary folder then renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with atomic_folder(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # metadata format=pt: transformers' from_pretrained refuses safetensors files without it
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         if side is not None:
             (tmp / SIDE_FILE).write_text(json.dumps(side, indent=2) + "\n")
-        if path.exists():  # --overwrite: swap, then delete the old folder
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _find_recipe(given: Path, drafter_dir: Path) -> dict:

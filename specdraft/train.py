@@ -21,6 +21,7 @@ import torch
 import yaml
 from torch import nn
 
+from .atomic import atomic_folder
 from .checkpoint import checkpoint_dirs, full_parameters, load_checkpoint, save_checkpoint
 from .config import Recipe
 from .drafters import get_family, load_drafter
@@ -392,8 +393,5 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
 
 
 def _write_final_drafter(run_dir: Path, step_module, accelerator) -> None:
-    tmp, final = run_dir / ".tmp-drafter", run_dir / "drafter"
-    shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.unwrap_model(step_module).save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    with atomic_folder(run_dir / "drafter") as tmp:
+        accelerator.unwrap_model(step_module).save_pretrained(tmp)

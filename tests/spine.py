@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tiny import CORPUS, save_tiny_target
+from tiny import CORPUS
 
 TESTS = Path(__file__).resolve().parent
 

@@ -131,7 +131,7 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
         vocab = DraftVocab.from_target_ids(torch.arange(recipe.drafter.draft_vocab_size), config.vocab_size)
     drafter = family.build(target, recipe.drafter, vocab)
     trainable = sum(p.numel() for p in drafter.trainable_parameters())
-    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    H, I = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     if recipe.drafter_family == "eagle3":

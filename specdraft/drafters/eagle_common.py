@@ -17,9 +17,6 @@ A drafter plugs into ``EagleDraftSource`` with five members:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..atomic import atomic_folder
 from ..errors import SpecdraftError
 from .base import Proposal, TargetOutputs
 
@@ -166,20 +164,9 @@ def write_drafter_folder(path: str | Path, config: dict, tensors: dict[str, torc
     path = Path(path)
     if path.exists() and any(path.iterdir()) and not (path / "config.json").is_file():
         raise SpecdraftError(f"{path} exists and is not a saved drafter; save to a new or empty folder")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with atomic_folder(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_drafter_folder(path: str | Path, family: str) -> tuple[dict, dict[str, torch.Tensor]]:
