@@ -25,7 +25,6 @@ import ast
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import pathlib
 import random
@@ -613,7 +612,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="toy-target", help="output folder (default: ./toy-target)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="train this many steps (deterministic given --seed)")
-    length.add_argument("--minutes", type=float, help="train for this long; the LR schedule follows wall time")
+    length.add_argument("--minutes", type=float,
+                        help="train for this long (default 10 if neither is given); the lr decays over the last "
+                             "--decay-fraction of it and the step count reached is logged for --steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stdlib-dir", help="Python Lib/ folder to train on (default: this interpreter's)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
