@@ -1,13 +1,15 @@
 """Benchmark: specdraft's speculative decoder vs plain decoding vs transformers' assisted generation.
 
 Same target, same draft LM, same prompts, same process, all greedy:
-  plain            specdraft's plain_decode: one token per target forward (the speedup baseline)
-  HF generate      model.generate(do_sample=False)
-  HF assisted      model.generate(assistant_model=draft, do_sample=False), K drafts per step
-                   (constant schedule, confidence early-exit off: the same K as specdraft)
-  specdraft        speculative_decode with DraftLMSource(draft), K drafts per step
+  plain                 specdraft's plain_decode: one token per target forward (the speedup baseline)
+  HF generate           model.generate(do_sample=False)
+  HF assisted           model.generate(assistant_model=draft), K drafts per step
+                        (constant schedule, confidence early-exit off: the same K as specdraft)
+  specdraft, draft LM   speculative_decode with DraftLMSource(draft), K drafts per step
+  HF prompt lookup      model.generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=3)
+  specdraft, lookup     speculative_decode with PromptLookupSource(max_ngram=3)
 It checks every method emits the same tokens, and prints a Markdown table with tokens/s,
-speedups, specdraft's ratio over assisted generation, and the decoder efficiency =
+speedups, specdraft's ratio over its transformers counterpart, and the decoder efficiency =
 measured speedup / speedup predicted from the measured alpha and c.
 
 The draft is the target cut to its first ``--draft-layers`` layers (embeddings, final norm
@@ -32,7 +34,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdraft.decoding.sources import DraftLMSource
+from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
 from specdraft.decoding.speculative import plain_decode, speculative_decode
 from specdraft.evaluation.metrics import draft_cost_ratio, measured_alpha, predicted_speedup
 from specdraft.target import FrozenTarget, resolve_target_path
@@ -105,8 +107,8 @@ def code_prompts(tokenizer, files: list[Path], count: int, prompt_tokens: int) -
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="toy", help="target folder ('toy' = the shipped toy target)")
-    parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--distill-steps", type=int, default=150)
+    parser.add_argument("--draft-layers", type=int, default=3)
+    parser.add_argument("--distill-steps", type=int, default=600)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -126,78 +128,81 @@ def main(argv=None) -> int:
     prompts = code_prompts(tokenizer, prompt_files, args.num_prompts, args.prompt_tokens)
     rows = token_rows(tokenizer, distill_files, seq_len=128, max_rows=2000)
     draft = truncated_copy(model, args.draft_layers)
-    draft = distill(draft, model, rows, args.distill_steps, batch_size=8, lr=1e-3, seed=args.seed)
+    draft = distill(draft, model, rows, args.distill_steps, batch_size=8, lr=2e-3, seed=args.seed)
     draft.requires_grad_(False)
     draft.generation_config.num_assistant_tokens = args.k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0  # 0 = off: always draft K
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    k, max_new = args.k, args.max_new_tokens
 
-    def hf(ids, assistant=None):
+    def hf(ids, **kwargs):
         x = torch.tensor([ids])
-        out = model.generate(x, attention_mask=torch.ones_like(x), assistant_model=assistant, do_sample=False,
-                             max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
-        return out[0, len(ids) :].tolist(), None
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                             eos_token_id=eos, pad_token_id=pad, **kwargs)  # fmt: skip
+        return out[0, len(ids) :].tolist(), []
 
-    def ours_plain(ids):
-        out = plain_decode(target, torch.tensor([ids]), max_new_tokens=args.max_new_tokens, eos_token_ids=eos)
-        return out.tokens, None
-
-    def ours_spec(ids):
-        out = speculative_decode(target, DraftLMSource(draft), torch.tensor([ids]), k=args.k,
-                                 max_new_tokens=args.max_new_tokens, eos_token_ids=eos)  # fmt: skip
+    def ours(ids, source=None):
+        if source is None:
+            return plain_decode(target, torch.tensor([ids]), max_new_tokens=max_new, eos_token_ids=eos).tokens, []
+        out = speculative_decode(target, source, torch.tensor([ids]), k=k, max_new_tokens=max_new, eos_token_ids=eos)
         return out.tokens, out.steps
 
     methods = {
-        "plain (specdraft)": ours_plain,
+        "plain (specdraft)": lambda ids: ours(ids),
         "plain (HF generate)": lambda ids: hf(ids),
-        f"HF assisted generation (K={args.k})": lambda ids: hf(ids, draft),
-        f"specdraft speculative (K={args.k})": ours_spec,
+        f"HF assisted generation, draft LM (K={k})": lambda ids: hf(ids, assistant_model=draft),
+        f"specdraft, draft LM (K={k})": lambda ids: ours(ids, DraftLMSource(draft)),
+        f"HF prompt lookup (K={k})": lambda ids: hf(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=3),
+        f"specdraft, prompt lookup (K={k})": lambda ids: ours(ids, PromptLookupSource(max_ngram=3)),
     }
     for fn in methods.values():  # warm-up
         fn(prompts[0][:16])
 
     # Interleave methods prompt by prompt, so machine noise hits all of them alike.
     tokens = {name: [] for name in methods}
+    steps = {name: [] for name in methods}
     seconds = dict.fromkeys(methods, 0.0)
-    steps = []
     for ids in tqdm(prompts, desc="decode", unit="prompt"):
         for name, fn in methods.items():
             start = time.perf_counter()
             out, step_stats = fn(ids)
             seconds[name] += time.perf_counter() - start
             tokens[name].append(out)
-            steps += step_stats or []
+            steps[name] += step_stats
 
-    reference = tokens["plain (HF generate)"]
-    plain_name, hf_name, spec_name = list(methods)[0], list(methods)[2], list(methods)[3]
+    names = list(methods)
+    reference = tokens[names[1]]
     rate = {name: sum(map(len, tokens[name])) / seconds[name] for name in methods}
-    alpha, c = measured_alpha(steps), draft_cost_ratio(steps)
-    predicted = predicted_speedup(alpha, args.k, c)
-    speedup = rate[spec_name] / rate[plain_name]
-    # The formula assumes a (K+1)-token verify forward costs what a 1-token forward does
-    # (true on a memory-bound GPU); this ratio says how far from that the machine is.
-    verify_cost = (sum(s.target_seconds for s in steps) / len(steps)) * rate[plain_name]
-    all_identical = all(tokens[name] == reference for name in methods)
-
+    plain_rate = rate[names[0]]
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"\ntarget {path}: {params:.1f}M params, {target.num_layers} layers; draft: its first "
+    print(f"\ntarget {path}: {params:.1f}M params, {target.num_layers} layers; draft LM: its first "
           f"{args.draft_layers} layers, distilled {args.distill_steps} steps; {len(prompts)} prompts x "
-          f"{args.max_new_tokens} new tokens; greedy, float32, CPU, {args.threads} thread(s)\n")
-    print("| method | tokens/s | speedup vs plain | identical to HF greedy |")
-    print("|---|---:|---:|---|")
+          f"{max_new} new tokens; greedy, float32, CPU, {args.threads} thread(s)\n")
+    print("| method | tokens/s | speedup vs plain | identical to HF greedy | alpha | tau | c |")
+    print("|---|---:|---:|---|---:|---:|---:|")
     for name in methods:
         same = sum(a == b for a, b in zip(tokens[name], reference))
-        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[plain_name]:.2f}x | {same}/{len(prompts)} |")
-    tau = sum(s.num_accepted + 1 for s in steps) / len(steps)
-    print(f"\nspecdraft / HF assisted generation: {rate[spec_name] / rate[hf_name]:.2f}x")
-    print(f"measured: alpha {alpha:.3f}, tau {tau:.2f}, c {c:.3f}, speedup {speedup:.2f}x")
-    print(f"predicted (1 - a^(K+1)) / ((1 - a)(1 + K c)): {predicted:.2f}x -> decoder efficiency "
-          f"{speedup / predicted:.2f}")
-    # Dividing by the measured verify cost leaves what the decode loop itself loses (overhead).
-    print(f"one verify forward costs {verify_cost:.2f}x a plain step; predicted / that = "
-          f"{predicted / verify_cost:.2f}x -> loop efficiency {speedup * verify_cost / predicted:.2f}")
+        s = steps[name]
+        stats = (f"{measured_alpha(s):.3f} | {sum(x.num_accepted + 1 for x in s) / len(s):.2f} | "
+                 f"{draft_cost_ratio(s):.3f}") if s else "- | - | -"  # fmt: skip
+        print(f"| {name} | {rate[name]:.1f} | {rate[name] / plain_rate:.2f}x | {same}/{len(prompts)} | {stats} |")
+
+    for hf_name, spec_name in ((names[2], names[3]), (names[4], names[5])):
+        s = steps[spec_name]
+        alpha, c = measured_alpha(s), draft_cost_ratio(s)
+        predicted = predicted_speedup(alpha, k, c)
+        speedup = rate[spec_name] / plain_rate
+        # The formula assumes a (K+1)-token verify forward costs what a 1-token forward does
+        # (true on a memory-bound GPU); dividing by the measured ratio leaves the loop's own overhead.
+        verify_cost = sum(x.target_seconds for x in s) / len(s) * plain_rate
+        print(f"\n{spec_name}: {rate[spec_name] / rate[hf_name]:.2f}x the tokens/s of {hf_name}; "
+              f"predicted speedup (1 - a^(K+1)) / ((1 - a)(1 + K c)) = {predicted:.2f}x, measured {speedup:.2f}x, "
+              f"decoder efficiency {speedup / predicted:.2f}. One verify forward costs {verify_cost:.2f}x a plain "
+              f"step here; counting that, the prediction is {predicted / verify_cost:.2f}x "
+              f"(loop efficiency {speedup * verify_cost / predicted:.2f}).")
+    all_identical = all(tokens[name] == reference for name in methods)
     if not all_identical:
         print("WARNING: methods disagree on some tokens (see the table)", file=sys.stderr)
     return 0 if all_identical else 1

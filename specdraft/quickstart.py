@@ -34,7 +34,8 @@ def toy_prompts(split: str, limit: int, seed: int = 0) -> list[dict]:
     random.Random(seed).shuffle(prompts)
     if not prompts:
         raise SpecdraftError(f"no {split} prompts could be built from this interpreter's standard library")
-    return [{"id": i, "turns": [p]} for i, p in enumerate(prompts[:limit])]
+    # Spec-Bench question format; the category is what is asked for ("Write the method ...").
+    return [{"question_id": i, "category": p.split()[2], "turns": [p]} for i, p in enumerate(prompts[:limit])]
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -62,7 +63,7 @@ def quickstart(out: Path, train_prompts: int, steps: int | None, eval_prompts: i
     prompts_file = write_jsonl(out / "data" / "train_prompts.jsonl", toy_prompts("train", train_prompts))
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    regenerate(model, tokenizer, prompts_file, answers, temperature=0.0, max_new_tokens=160, batch_size=32)
+    regenerate(model, tokenizer, prompts_file, answers, temperature=0.0, max_new_tokens=128, batch_size=64)
     del model
     heldout = write_jsonl(out / "data" / "heldout_prompts.jsonl", toy_prompts("heldout", eval_prompts))
 
@@ -92,7 +93,7 @@ def quickstart(out: Path, train_prompts: int, steps: int | None, eval_prompts: i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="quickstart", help="where data, run, exports and report go")
-    parser.add_argument("--train-prompts", type=int, default=800, help="prompts the target answers for training")
+    parser.add_argument("--train-prompts", type=int, default=480, help="prompts the target answers for training")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts for the acceptance eval")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier quickstart's run")

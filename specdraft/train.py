@@ -206,6 +206,10 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     accelerator.wait_for_everyone()
     set_seed(tcfg.seed)
 
+    if recipe.eval.enabled and recipe.eval.prompts:  # a bad prompt file fails now, not after training
+        from .evaluation.suites import load_suite
+
+        load_suite(recipe.eval.prompts, recipe.eval.num_prompts)
     family = get_family(recipe.drafter_family)
     target = load_target(recipe, accelerator.device)
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)

@@ -78,7 +78,7 @@ def hf_greedy(model, prompt_ids, max_new_tokens, eos_token_id=None):
 def test_greedy_equals_target_greedy(target, target_model, sources, name):
     source = sources[name]()
     accepted = drafted = 0
-    for prompt in prompts(6):
+    for prompt in prompts(10):
         expected = hf_greedy(target_model, prompt, MAX_NEW)
         assert naive_greedy(target_model, prompt, MAX_NEW) == expected
         for k in (1, 4):
