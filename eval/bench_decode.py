@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
 from specdraft.decoding.speculative import plain_decode, speculative_decode

@@ -107,6 +107,8 @@ def test_stops_at_eos_like_generate(target, target_model, sources):
     for name in ("identical", "noisy", "prompt_lookup"):
         out = speculative_decode(target, sources[name](), prompt, k=4, max_new_tokens=MAX_NEW, eos_token_ids=[eos])
         assert out.tokens == expected, name
+        # No step after the one that emitted the stop token (even as an accepted draft mid-step).
+        assert 1 + sum(s.num_accepted + 1 for s in out.steps) < len(expected) + 5, name
     assert plain_decode(target, prompt, max_new_tokens=MAX_NEW, eos_token_ids=eos).tokens == expected
 
 

@@ -128,6 +128,8 @@ def speculative_decode(
         steps.append(StepStats(num_drafts, n, (t1 - t0) + (t3 - t2), t2 - t1))
         pending = emitted[:, n : n + 1]  # the new chosen-but-unverified token, still on the device
         tokens.extend(new_tokens)
+        if stop_ids.intersection(new_tokens):  # an accepted draft may be the stop token, not just the last
+            break
 
     # alpha predicted stayed on the device during decoding; bring it to the host once.
     flat = iter(torch.cat(alphas).tolist()) if alphas else iter(())
