@@ -25,10 +25,8 @@ import ast
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import random
-import shutil
 import sys
 import sysconfig
 import textwrap
@@ -37,6 +35,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from specdraft.atomic import atomic_folder
 from specdraft.errors import SpecdraftError
 
 # --------------------------------------------------------------------------- chat format
@@ -492,58 +491,49 @@ def build_toy_target(
     stats = train(model, token_lists, recipe, steps=steps, minutes=minutes, seed=seed, log=log)
     log(f"trained {stats['steps']} steps, {stats['tokens']} tokens, {stats['epochs']:.2f} epochs in {stats['train_seconds']}s")
 
-    # Save in bf16 into a temp folder; only a complete folder is ever renamed into place.
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     do_sample=False, max_new_tokens=256).save_pretrained(tmp)
+    # Save in bf16 into a temp folder, measure it there; only a complete folder replaces out_dir.
+    with atomic_folder(out_dir) as tmp:
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         do_sample=False, max_new_tokens=256).save_pretrained(tmp)
 
-    # Measure the model as saved (bf16 weights, run in fp32), as a user would load it.
-    saved = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    loss, scored = heldout_loss(saved, tokenizer, list(heldout_files.values()), recipe.seq_len)
-    log(f"held-out loss {loss:.4f} nats/token over {scored} tokens ({len(heldout_files)} files)")
-    loops = loop_report(saved, tokenizer, heldout_files, recipe)
-    for kind in ("plain", "chat"):
-        log(f"greedy {kind}: " + ", ".join(f"{k} {v}" for k, v in loops[kind].items()))
+        # Measure the model as saved (bf16 weights, run in fp32), as a user would load it.
+        saved = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        loss, scored = heldout_loss(saved, tokenizer, list(heldout_files.values()), recipe.seq_len)
+        log(f"held-out loss {loss:.4f} nats/token over {scored} tokens ({len(heldout_files)} files)")
+        loops = loop_report(saved, tokenizer, heldout_files, recipe)
+        for kind in ("plain", "chat"):
+            log(f"greedy {kind}: " + ", ".join(f"{k} {v}" for k, v in loops[kind].items()))
 
-    # A few held-out files with their own losses, shipped so a test can recompute them
-    # on any interpreter (the stdlib differs between Python versions).
-    check = sorted(heldout_files, key=lambda rel: len(heldout_files[rel]))[len(heldout_files) // 2 :][:3]
-    check_files = []
-    for rel in check:
-        text = heldout_files[rel][:6000]
-        file_loss, file_tokens = heldout_loss(saved, tokenizer, [text], recipe.seq_len)
-        check_files.append({"path": rel, "text": text, "loss": file_loss, "tokens": file_tokens})
-    record = {
-        "command": command,
-        "seed": seed,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "recipe": dataclasses.asdict(recipe),
-        "train_files": len(train_files),
-        "heldout_files": sorted(heldout_files),
-        "train_tokens_per_epoch": num_tokens,
-        **stats,
-        "heldout_loss": loss,
-        "heldout_tokens": scored,
-        "loops": loops,
-        "check_files": check_files,
-        "build_seconds": round(time.time() - started, 1),
-    }
-    (tmp / "build_record.json").write_text(json.dumps(record, indent=1))
-    (tmp / "build_log.txt").write_text("\n".join(lines) + "\n")
-    write_build_md(tmp)
+        # A few held-out files with their own losses, shipped so a test can recompute them
+        # on any interpreter (the stdlib differs between Python versions).
+        check = sorted(heldout_files, key=lambda rel: len(heldout_files[rel]))[len(heldout_files) // 2 :][:3]
+        check_files = []
+        for rel in check:
+            text = heldout_files[rel][:6000]
+            file_loss, file_tokens = heldout_loss(saved, tokenizer, [text], recipe.seq_len)
+            check_files.append({"path": rel, "text": text, "loss": file_loss, "tokens": file_tokens})
+        record = {
+            "command": command,
+            "seed": seed,
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "recipe": dataclasses.asdict(recipe),
+            "train_files": len(train_files),
+            "heldout_files": sorted(heldout_files),
+            "train_tokens_per_epoch": num_tokens,
+            **stats,
+            "heldout_loss": loss,
+            "heldout_tokens": scored,
+            "loops": loops,
+            "check_files": check_files,
+            "build_seconds": round(time.time() - started, 1),
+        }
+        (tmp / "build_record.json").write_text(json.dumps(record, indent=1))
+        (tmp / "build_log.txt").write_text("\n".join(lines) + "\n")
+        write_build_md(tmp)
 
-    if out_dir.exists():  # overwrite: move the old folder aside first, drop it after the swap
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(out_dir)
     log(f"saved {out_dir} in {record['build_seconds']}s")
     return out_dir
 
