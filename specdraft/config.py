@@ -212,15 +212,16 @@ def parse_recipe(raw: dict) -> Recipe:
     raw["drafter"] = parse_dataclass(family.config_cls, drafter_raw, "drafter")
     # The family's paper defaults (lr, betas, clipping, ...) fill what the recipe leaves unset.
     family_defaults = dict(getattr(family.config_cls, "optimizer_defaults", {}))
-    if family_defaults:
-        training = raw.setdefault("training", {}) or {}
-        for key in ("max_grad_norm", "clip_grad_value"):
-            if key in family_defaults:
-                training.setdefault(key, family_defaults.pop(key))
-        optimizer = raw.setdefault("optimizer", {}) or {}
-        for key, value in family_defaults.items():
-            optimizer.setdefault(key, list(value) if isinstance(value, tuple) else value)
-        raw["training"], raw["optimizer"] = training, optimizer
+    training_keys = ("max_grad_norm", "clip_grad_value")
+    fills = {
+        "training": {k: v for k, v in family_defaults.items() if k in training_keys},
+        "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in family_defaults.items()
+                      if k not in training_keys},
+    }
+    for section, fill in fills.items():
+        given = raw.get(section) or {}
+        if fill and isinstance(given, dict):  # a non-mapping is reported by parse_dataclass
+            raw[section] = {**fill, **given}  # a new dict: the caller's mapping is left as it was
     hints = typing.get_type_hints(Recipe)
     hints["drafter"] = Any
     recipe_fields = {f.name for f in dataclasses.fields(Recipe)} - {"drafter_family"}
