@@ -18,7 +18,7 @@ frozen, never saved. Saved parameter names follow the reference checkpoints: ``f
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -30,15 +30,12 @@ from ..masks import block_causal_mask
 from .base import Family, LossOutput, TargetOutputs
 from .eagle_common import (
     BorrowsTargetWeights,
-    EagleDraftSource,
     KVCache,
     check_same_target,
     check_target_architecture,
     decode_mask,
     read_drafter_folder,
     shift_left,
-    target_config_dict,
-    write_drafter_folder,
 )
 
 
@@ -154,19 +151,12 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         metrics = {"loss_reg": regression.detach(), "loss_cls": classification.detach(), "acc_0": acc}
         return LossOutput(loss, metrics)
 
-    # -- decoding and saving ----------------------------------------------------------------------
-    def draft_source(self, target) -> EagleDraftSource:
-        return EagleDraftSource(self)
+    # -- what save_pretrained records (BorrowsTargetWeights) -------------------------------------------
+    taps = ()  # EAGLE-1 reads only the last hidden state
 
-    def save_pretrained(self, path) -> None:
-        config = {
-            "family": self.family,
-            "config": asdict(self.config),
-            "draft_vocab_size": self.target_lm_head.weight.shape[0],
-            "target_taps": [],  # EAGLE-1 reads only the last hidden state
-            "target_config": target_config_dict(self.target_config),
-        }
-        write_drafter_folder(path, config, self.state_dict())
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.target_lm_head.weight.shape[0]  # it drafts through the target's own LM head
 
 
 def build_eagle1(target, cfg: Eagle1Config, draft_vocab=None) -> Eagle1Drafter:

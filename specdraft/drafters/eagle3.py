@@ -24,7 +24,7 @@ Parameter names are SGLang's, so export is a copy: ``fc``, ``midlayer.*``, ``nor
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -39,7 +39,6 @@ from ..masks import block_causal_mask
 from .base import Family, LossOutput, TargetOutputs
 from .eagle_common import (
     BorrowsTargetWeights,
-    EagleDraftSource,
     KVCache,
     apply_rotary,
     attend,
@@ -49,8 +48,6 @@ from .eagle_common import (
     head_dim_of,
     read_drafter_folder,
     shift_left,
-    target_config_dict,
-    write_drafter_folder,
 )
 
 
@@ -227,19 +224,10 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         metrics.update(ttt_accuracy_metrics(correct, counted))
         return LossOutput(loss, metrics)
 
-    # -- decoding and saving ----------------------------------------------------------------------
-    def draft_source(self, target) -> EagleDraftSource:
-        return EagleDraftSource(self)
-
-    def save_pretrained(self, path) -> None:
-        config = {
-            "family": self.family,
-            "config": asdict(self.config),
-            "draft_vocab_size": self.lm_head.out_features,
-            "target_taps": self.taps,
-            "target_config": target_config_dict(self.target_config),
-        }
-        write_drafter_folder(path, config, self.state_dict())
+    # -- what save_pretrained records (BorrowsTargetWeights) -------------------------------------------
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.out_features
 
 
 def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = None) -> Eagle3Drafter:

@@ -17,6 +17,7 @@ A drafter plugs into ``EagleDraftSource`` with five members:
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -148,6 +149,21 @@ class BorrowsTargetWeights:
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
+
+    # Both EAGLE families decode through the same source and save the same self-describing folder;
+    # each provides ``family``, ``config``, ``target_config``, ``taps`` and ``draft_vocab_size``.
+    def draft_source(self, target) -> "EagleDraftSource":
+        return EagleDraftSource(self)
+
+    def save_pretrained(self, path) -> None:
+        config = {
+            "family": self.family,
+            "config": asdict(self.config),
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_taps": list(self.taps),
+            "target_config": target_config_dict(self.target_config),
+        }
+        write_drafter_folder(path, config, self.state_dict())
 
 
 # -- save / load ----------------------------------------------------------------------------------
