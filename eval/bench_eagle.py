@@ -1,8 +1,9 @@
 """Benchmark (issue 3): EAGLE-1 vs EAGLE-3 vs prompt lookup on the toy target.
 
 One run, one target, one set of held-out prompts:
-  1. data      the toy target answers chat prompts from its *training* files, exactly as
-               `specdraft quickstart` does (cached in --work, so reruns skip it)
+  1. data      the toy target answers chat prompts from its *training* files, and (the training
+               runs' eval set) other prompts from its held-out files, as `specdraft quickstart`
+               does (cached in --work, so reruns skip it)
   2. train     EAGLE-1 and EAGLE-3 through `specdraft.train.train` with the shipped toy recipes
                (recipes/toy_eagle{1,3}.yaml), same data; wall-clock time and steps are recorded
   3. evaluate  ONE `evaluate(...)` call per temperature (0 and 1) with sources
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -30,10 +30,9 @@ from specdraft.config import load_recipe
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import load_drafter
-from specdraft.errors import SpecdraftError
 from specdraft.evaluation.run import evaluate
 from specdraft.evaluation.suites import Prompt
-from specdraft.quickstart import RECIPES_DIR, write_jsonl
+from specdraft.quickstart import HELDOUT_ANSWERS, RECIPES_DIR, heldout_prompt_sets, toy_prompts, write_jsonl
 from specdraft.target import FrozenTarget, resolve_target_path
 from specdraft.toy_target import definition_prompts, list_source_files
 
@@ -43,45 +42,33 @@ DRAFTERS = ("eagle1", "eagle3")
 REGENERATE_TOKENS = 160  # the quickstart's answer length
 
 
-def toy_prompts(target_dir: Path, split: str, limit: int, seed: int = 0) -> list[dict]:
-    """``specdraft.quickstart.toy_prompts`` for any toy-target folder (it reads the shipped one):
-    definition prompts from the files that target trained on ("train") or held out ("heldout")."""
-    record = json.loads((target_dir / "build_record.json").read_text())
-    heldout = set(record["heldout_files"])
-    chosen = {rel: text for rel, text in list_source_files().items() if (rel in heldout) == (split == "heldout")}
-    prompts = [p for rel, text in chosen.items() for p, _ in definition_prompts(rel, text)]
-    random.Random(seed).shuffle(prompts)
-    if len(prompts) < limit:
-        raise SpecdraftError(f"only {len(prompts)} {split} prompts exist for {target_dir}; ask for fewer")
-    return [{"id": i, "turns": [p]} for i, p in enumerate(prompts[:limit])]
-
-
-def training_answers(target_dir: Path, work: Path, num_prompts: int) -> Path:
-    """The target's own answers to training-file prompts (the quickstart's step 2), cached per target."""
+def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict]) -> Path:
+    """The target's own greedy answers to ``prompts`` (the quickstart's step 2), cached per target."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdraft.data.regenerate import regenerate
 
-    answers = work / "data" / "answers.jsonl"
+    answers = work / "data" / f"{name}.jsonl"
     stamp = {"target": str(target_dir.resolve()), "target_mtime": (target_dir / "model.safetensors").stat().st_mtime,
-             "prompts": num_prompts, "max_new_tokens": REGENERATE_TOKENS}
+             "prompts": prompts, "max_new_tokens": REGENERATE_TOKENS}
     stamp_file = answers.with_suffix(".stamp.json")
     if answers.is_file() and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
-        print(f"reusing {answers} ({num_prompts} answers by {target_dir})")
+        print(f"reusing {answers} ({len(prompts)} answers by {target_dir})")
         return answers
     answers.unlink(missing_ok=True)  # regenerate appends: never mix answers of two targets
-    prompts_file = write_jsonl(work / "data" / "train_prompts.jsonl", toy_prompts(target_dir, "train", num_prompts))
+    prompts_file = write_jsonl(work / "data" / f"{name}.prompts.jsonl", prompts)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     started = time.perf_counter()
     regenerate(model, tokenizer, prompts_file, answers, temperature=0.0, max_new_tokens=REGENERATE_TOKENS,
                batch_size=32)
-    print(f"the target answered {num_prompts} prompts in {time.perf_counter() - started:.0f} s -> {answers}")
+    print(f"the target answered {len(prompts)} prompts in {time.perf_counter() - started:.0f} s -> {answers}")
     stamp_file.write_text(json.dumps(stamp))
     return answers
 
 
-def train_drafter(family: str, target_dir: Path, answers: Path, work: Path, steps: int | None, reuse: bool) -> dict:
+def train_drafter(family: str, target_dir: Path, data: list[str], work: Path, steps: int | None, reuse: bool,
+                  show_progress: bool = True) -> dict:
     """Train one drafter with its shipped toy recipe; returns where it is and what it cost."""
     from specdraft.train import train
 
@@ -90,7 +77,7 @@ def train_drafter(family: str, target_dir: Path, answers: Path, work: Path, step
     if reuse and record_file.is_file():
         print(f"reusing {run_dir / 'drafter'} (--reuse-drafters)")
         return json.loads(record_file.read_text())
-    overrides = [f"target.path={target_dir}", f"data.path={answers}", f"checkpoint.output_dir={run_dir}",
+    overrides = [f"target.path={target_dir}", *data, f"checkpoint.output_dir={run_dir}",
                  "eval.enabled=false"]  # the acceptance eval is ours, below: one call for all methods
     if steps:
         overrides.append(f"training.max_steps={steps}")
@@ -98,13 +85,34 @@ def train_drafter(family: str, target_dir: Path, answers: Path, work: Path, step
     print(f"training {family}: {recipe.training.max_steps} steps x {recipe.training.micro_batch_size} samples, "
           f"lr {recipe.optimizer.lr}")
     started = time.perf_counter()  # everything a user waits for: loading, data, draft vocab, loop, save
-    train(recipe, overwrite=True)
+    train(recipe, overwrite=True, show_progress=show_progress)
     # The last line of metrics.jsonl is the held-out batches' loss and accuracies after training.
     final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     record = {"drafter": str(run_dir / "drafter"), "seconds": time.perf_counter() - started,
               "steps": recipe.training.max_steps, "final_metrics": {k: v for k, v in final.items() if k.startswith("eval/")}}
     record_file.write_text(json.dumps(record, indent=1))
     return record
+
+
+def _train_one_thread(family: str, *args) -> dict:
+    """A --train-jobs worker: one torch thread, no progress bar (two bars would interleave)."""
+    torch.set_num_threads(1)
+    return train_drafter(family, *args, show_progress=False)
+
+
+def train_all(target_dir: Path, data: list[str], work: Path, steps: dict, reuse: bool, jobs: int) -> dict:
+    """Train every drafter, one after another or (jobs=2) side by side in two 1-thread processes,
+    which uses both cores of a 2-core machine; each drafter's recorded time is its own wall clock."""
+    if jobs <= 1:
+        return {family: train_drafter(family, target_dir, data, work, steps[family], reuse) for family in DRAFTERS}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    print(f"training {', '.join(DRAFTERS)} side by side (no progress bars; this takes minutes)")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {family: pool.submit(_train_one_thread, family, target_dir, data, work, steps[family], reuse)
+                   for family in DRAFTERS}
+        return {family: future.result() for family, future in futures.items()}
 
 
 def draft_vocab_coverage(drafter, target_dir: Path, tokenizer) -> float:
@@ -149,20 +157,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (2 only on an otherwise idle machine)")
     parser.add_argument("--reuse-drafters", action="store_true",
                         help="skip training when --work already holds both drafters (their recorded times are printed)")
+    parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2),
+                        help="2: train both drafters at once, one thread each (an otherwise idle 2-core machine)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     target_dir, work = Path(resolve_target_path(args.target)), Path(args.work)
-    answers = training_answers(target_dir, work, args.train_prompts)
+    eval_set, answered = heldout_prompt_sets(args.eval_prompts, HELDOUT_ANSWERS, target_dir)
+    train_set = toy_prompts("train", args.train_prompts, target_dir=target_dir)
+    data = [f"data.path={target_answers(target_dir, work, 'answers', train_set)}",
+            f"data.eval_path={target_answers(target_dir, work, 'heldout_answers', answered)}"]
     steps = {"eagle1": args.steps_eagle1, "eagle3": args.steps_eagle3}
-    trained = {family: train_drafter(family, target_dir, answers, work, steps[family], args.reuse_drafters)
-               for family in DRAFTERS}
+    trained = train_all(target_dir, data, work, steps, args.reuse_drafters, args.train_jobs)
 
     # Both drafters read one target: EAGLE-3 needs its taps, EAGLE-1 only the last hidden state.
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32", taps="eagle3")
     drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
-    prompts = [Prompt(id=str(p["id"]), suite="toy-heldout", category="code", kind="question", turns=p["turns"])
-               for p in toy_prompts(target_dir, "heldout", args.eval_prompts)]
+    prompts = [Prompt(id=str(p["question_id"]), suite="toy-heldout", category=p["category"], kind="question",
+                      turns=p["turns"]) for p in eval_set]
     results = {}
     for temperature in TEMPERATURES:
         sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
@@ -178,7 +190,8 @@ def main() -> None:
         identical = result.get("greedy_identical")
         if identical:
             print("\ngreedy output identical to plain decoding: " + ", ".join(f"{m} {v:.0%}" for m, v in identical.items()))
-    print(f"\ntraining, same {args.train_prompts} target answers for both (wall clock, incl. loading and saving): "
+    how = "side by side, 1 thread each" if args.train_jobs == 2 and not args.reuse_drafters else f"{args.threads} threads"
+    print(f"\ntraining, same {args.train_prompts} target answers for both ({how}; wall clock incl. loading and saving): "
           + "; ".join(f"{family} {run['steps']} steps in {run['seconds'] / 60:.1f} min" for family, run in trained.items()))
     # Training's own estimate of tau - 1 on held-out answers, to hold against the decoder's tau - 1 above.
     for family, run in trained.items():

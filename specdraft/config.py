@@ -39,7 +39,10 @@ class DataConfig:
     chat_template: str | None = None  # jinja file or inline template; None = the tokenizer's
     max_length: int = 2048
     packing: bool = False
-    eval_fraction: float = 0.02
+    eval_fraction: float = 0.02  # ignored when eval_path is set
+    # A separate eval file (same format), e.g. answers to prompts from held-out sources: the eval
+    # metrics then measure generalisation, as decoding on new prompts will, not memory of the training set.
+    eval_path: str | None = None
     max_samples: int | None = None
     seed: int = 0
     num_proc: int = 1

@@ -34,9 +34,10 @@ def cache_key(recipe: Recipe, num_layers: int) -> str:
     from .data.pipeline import data_fingerprint
 
     parts = [recipe.data.path, recipe.data.format, recipe.data.max_length, recipe.data.eval_fraction,
-             recipe.data.max_samples, recipe.data.seed, recipe.data.chat_template, recipe.target.path,
-             recipe.target.dtype, str(recipe.target.taps), num_layers,
-             data_fingerprint(recipe.data.path, recipe.data.split)]
+             recipe.data.eval_path, recipe.data.max_samples, recipe.data.seed, recipe.data.chat_template,
+             recipe.target.path, recipe.target.dtype, str(recipe.target.taps), num_layers,
+             data_fingerprint(recipe.data.path, recipe.data.split),
+             recipe.data.eval_path and data_fingerprint(recipe.data.eval_path, recipe.data.split)]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 

@@ -63,6 +63,18 @@ def test_max_samples_and_no_eval(tmp_path, tokenizer):
     assert (len(train), len(eval_)) == (4, 0)
 
 
+def test_eval_path_is_the_eval_set_and_path_is_all_train(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [dialogue(i) for i in range(10)])
+    eval_path = write_jsonl(tmp_path / "heldout.jsonl", [dialogue(i) for i in range(100, 103)])
+    cfg = DataConfig(path=path, eval_path=eval_path, eval_fraction=0.5)  # eval_fraction is then unused
+    train, eval_ = build_datasets(cfg, tokenizer)
+    assert (len(train), len(eval_)) == (10, 3)
+    assert sorted(masked_text(tokenizer, s).split(" + ")[0] for s in eval_) == ["100", "101", "102"]
+    # The train split changed (all of path), so a draft vocabulary built on the split must not be reused.
+    assert vocab_cache_key_parts(cfg, tokenizer) != vocab_cache_key_parts(DataConfig(path=path, eval_fraction=0.5),
+                                                                          tokenizer)
+
+
 def test_plain_text_is_all_loss(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "text.jsonl", [{"body": "The sea is wide."}, {"body": "The cat sleeps."}])
     train, _ = build_datasets(DataConfig(path=path, text_field="body", eval_fraction=0.0), tokenizer)

@@ -100,7 +100,17 @@ def test_initial_losses_are_pinned():
     assert [eagle3.metrics[f"loss_{k}"].item() for k in range(3)] == pytest.approx(PINNED["eagle3_steps"], rel=1e-4)
 
 
-PINNED = {"eagle1_reg": 0.4947857, "eagle1_cls": 6.1717668, "eagle3_steps": [5.7372775, 5.6876678, 5.7019067]}
+# EAGLE-3's head starts at the target's head rows (not random), hence step losses above log(V).
+PINNED = {"eagle1_reg": 0.4947857, "eagle1_cls": 6.1717668, "eagle3_steps": [8.6281834, 8.4080400, 8.5523024]}
+
+
+def test_eagle3_head_starts_at_the_target_heads_draft_rows():
+    target = tiny_target("llama")
+    keep = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:40]
+    drafter = EAGLE3.build(target, Eagle3Config(draft_vocab_size=40), DraftVocab.from_target_ids(keep, VOCAB))
+    assert drafter.lm_head.weight.requires_grad
+    assert torch.equal(drafter.lm_head.weight, target.lm_head.weight[drafter.draft_ids].float())
+    assert drafter.lm_head.weight.data_ptr() != target.lm_head.weight.data_ptr()  # a copy: training leaves the target alone
 
 
 def test_eagle1_uniform_noise_only_while_training():

@@ -42,8 +42,17 @@ TOKENIZED_FEATURES = datasets.Features({
 
 
 def build_datasets(cfg: "DataConfig", tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Tokenized ``(train, eval)``, columns ``input_ids`` and ``loss_mask`` (1 = assistant token)."""
-    raw = load_raw(cfg.path, cfg.split)
+    """Tokenized ``(train, eval)``, columns ``input_ids`` and ``loss_mask`` (1 = assistant token).
+    The eval set is ``cfg.eval_path`` when given, else a random ``eval_fraction`` of ``cfg.path``."""
+    tokenized = tokenize_file(cfg, cfg.path, tokenizer)
+    if cfg.eval_path:
+        return tokenized, tokenize_file(cfg, cfg.eval_path, tokenizer)
+    return train_eval_split(tokenized, cfg.eval_fraction, cfg.seed)
+
+
+def tokenize_file(cfg: "DataConfig", path: str, tokenizer) -> datasets.Dataset:
+    """One data source -> the trainable samples, tokenized as the ``data:`` section says."""
+    raw = load_raw(path, cfg.split)
     if cfg.max_samples:
         raw = raw.select(range(min(cfg.max_samples, len(raw))))
     fmt = resolve_format(cfg.format, raw.column_names, cfg.text_field)
@@ -75,11 +84,10 @@ def build_datasets(cfg: "DataConfig", tokenizer) -> tuple[datasets.Dataset, data
         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
         desc="tokenizing",
     )
-    tokenized = _drop_untrainable(tokenized, cfg)
-    return train_eval_split(tokenized, cfg.eval_fraction, cfg.seed)
+    return _drop_untrainable(tokenized, path, cfg.max_length)
 
 
-def _drop_untrainable(tokenized: datasets.Dataset, cfg: "DataConfig") -> datasets.Dataset:
+def _drop_untrainable(tokenized: datasets.Dataset, path: str, max_length: int) -> datasets.Dataset:
     """Filter out dropped samples, warn with counts, and fail if nothing (useful) is left."""
     total = len(tokenized)
     reasons = list(tokenized["dropped"])
@@ -88,22 +96,22 @@ def _drop_untrainable(tokenized: datasets.Dataset, cfg: "DataConfig") -> dataset
     lengths = [n for n, reason in zip(tokenized["length"], reasons) if reason not in (NO_ASSISTANT, TEMPLATE_ERROR)]
     if dropped[NO_ASSISTANT] == total:
         raise SpecdraftError(
-            f"none of the {total} dialogues in {cfg.path!r} has an assistant turn, so there is nothing to learn. "
+            f"none of the {total} dialogues in {path!r} has an assistant turn, so there is nothing to learn. "
             "Prompt-only data (e.g. Spec-Bench 'turns') needs answers first: run `specdraft regenerate`."
         )
-    if lengths and min(lengths) > cfg.max_length:
+    if lengths and min(lengths) > max_length:
         raise SpecdraftError(
-            f"every sample in {cfg.path!r} is longer than data.max_length={cfg.max_length} tokens "
+            f"every sample in {path!r} is longer than data.max_length={max_length} tokens "
             f"(the shortest has {min(lengths)}). Raise data.max_length."
         )
     for reason, count in dropped.items():
         logger.warning("skipped %d of %d samples: %s", count, total, reason)
-    truncated = sum(n > cfg.max_length for n in lengths)
+    truncated = sum(n > max_length for n in lengths)
     if truncated:
-        logger.warning("truncated %d of %d samples to data.max_length=%d tokens", truncated, total, cfg.max_length)
+        logger.warning("truncated %d of %d samples to data.max_length=%d tokens", truncated, total, max_length)
     if sum(dropped.values()) == total:
         raise SpecdraftError(
-            f"no usable sample in {cfg.path!r}: {dict(dropped)}. Check data.chat_template and data.max_length."
+            f"no usable sample in {path!r}: {dict(dropped)}. Check data.chat_template and data.max_length."
         )
     kept = [i for i, reason in enumerate(reasons) if not reason]
     return tokenized.select(kept).remove_columns(["length", "dropped"])
@@ -132,7 +140,9 @@ def vocab_cache_key_parts(cfg: "DataConfig", tokenizer) -> list[str]:
     every data setting that changes the train split, and the tokenizer's vocabulary
     and chat template: change any and the cached map is not reused.
     """
-    fields = ("path", "format", "split", "text_field", "max_length", "eval_fraction", "max_samples", "seed")
+    # eval_path too: with it set, the whole of path is the train split.
+    fields = ("path", "format", "split", "text_field", "max_length", "eval_fraction", "eval_path", "max_samples",
+              "seed")
     settings = {k: getattr(cfg, k) for k in fields}
     # The override's text, not its file name: editing the .jinja file must invalidate the map.
     settings["chat_template"] = resolve_chat_template(tokenizer, cfg.chat_template) if cfg.chat_template else None

@@ -253,7 +253,14 @@ def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = Non
         )
     with torch.device(target.device):
         drafter = Eagle3Drafter(target, cfg, draft_vocab)
-    return drafter.to(target.device)  # the vocabulary buffers were made on the CPU
+    drafter = drafter.to(target.device)  # the vocabulary buffers were made on the CPU
+    if target.device.type != "meta":
+        # Start the draft head at the target's head rows for the draft vocabulary (trainable),
+        # as vLLM's speculators does: step 1 then begins near the target's own next-token map
+        # instead of at random, which matters most when the training data is small.
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(target.lm_head.weight[drafter.draft_ids].to(drafter.lm_head.weight.dtype))
+    return drafter
 
 
 def _default_draft_vocab(cfg: Eagle3Config, vocab_size: int, device: torch.device) -> DraftVocab:

@@ -1,0 +1,45 @@
+"""`specdraft quickstart` end to end on the shipped toy target, at a tiny budget: the README's
+main command must keep working (its figures come from the full-size run, not from here)."""
+
+import json
+
+import pytest
+
+from specdraft.errors import SpecdraftError
+from specdraft.quickstart import heldout_prompt_sets, quickstart, toy_prompts
+
+
+def test_held_out_prompt_sets_are_disjoint_and_from_held_out_files():
+    eval_set, answered = heldout_prompt_sets(3, 5)
+    assert (len(eval_set), len(answered)) == (3, 5)
+    asked = [p["turns"][0] for p in eval_set + answered]
+    assert len(set(asked)) == 8
+    train = {p["turns"][0] for p in toy_prompts("train", 2000)}
+    assert not train.intersection(asked)
+
+
+def test_asking_for_more_prompts_than_exist_says_how_many_there_are():
+    with pytest.raises(SpecdraftError, match=r"only \d+ heldout prompts"):
+        toy_prompts("heldout", 10**6)
+
+
+def test_quickstart_trains_evaluates_and_exports(tmp_path):
+    report = quickstart(tmp_path, train_prompts=6, steps=2, eval_prompts=2, overwrite=False, heldout_answers=3)
+
+    run = tmp_path / "run"
+    assert report == run / "eval"
+    # Training's eval set is the answers to held-out prompts, not a slice of the training answers.
+    recipe_text = (run / "recipe.yaml").read_text()
+    assert "heldout_answers.jsonl" in recipe_text
+    assert len((tmp_path / "data" / "answers.jsonl").read_text().splitlines()) == 6
+    assert len((tmp_path / "data" / "heldout_answers.jsonl").read_text().splitlines()) == 3
+    final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0.0 <= final["eval/acc_0"] <= 1.0
+
+    for temperature in ("0", "1"):
+        result = json.loads((report / f"temperature-{temperature}" / "result.json").read_text())
+        assert set(result["methods"]) >= {"eagle3", "prompt-lookup"}
+        assert result["methods"]["eagle3"]["overall"]["num_decodes"] == 2
+    for fmt in ("sglang", "vllm", "hf"):
+        assert (tmp_path / "export" / fmt / "model.safetensors").is_file()
+        assert (tmp_path / "export" / fmt / "config.json").is_file()
