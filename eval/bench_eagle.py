@@ -89,7 +89,7 @@ def train_drafter(family: str, target_dir: Path, data: list[str], work: Path, st
     # The last line of metrics.jsonl is the held-out batches' loss and accuracies after training.
     final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     record = {"drafter": str(run_dir / "drafter"), "seconds": time.perf_counter() - started,
-              "steps": recipe.training.max_steps, "final_metrics": {k: v for k, v in final.items() if k.startswith("eval/")}}
+              "steps": recipe.training.max_steps, "threads": torch.get_num_threads(), "final_metrics": {k: v for k, v in final.items() if k.startswith("eval/")}}
     record_file.write_text(json.dumps(record, indent=1))
     return record
 
@@ -190,9 +190,9 @@ def main() -> None:
         identical = result.get("greedy_identical")
         if identical:
             print("\ngreedy output identical to plain decoding: " + ", ".join(f"{m} {v:.0%}" for m, v in identical.items()))
-    how = "side by side, 1 thread each" if args.train_jobs == 2 and not args.reuse_drafters else f"{args.threads} threads"
-    print(f"\ntraining, same {args.train_prompts} target answers for both ({how}; wall clock incl. loading and saving): "
-          + "; ".join(f"{family} {run['steps']} steps in {run['seconds'] / 60:.1f} min" for family, run in trained.items()))
+    print(f"\ntraining, same {args.train_prompts} target answers for both (wall clock incl. loading and saving): "
+          + "; ".join(f"{family} {run['steps']} steps in {run['seconds'] / 60:.1f} min "
+                      f"({run.get('threads', '?')} thread(s))" for family, run in trained.items()))
     # Training's own estimate of tau - 1 on held-out answers, to hold against the decoder's tau - 1 above.
     for family, run in trained.items():
         m = run["final_metrics"]
