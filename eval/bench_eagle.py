@@ -89,7 +89,8 @@ def train_drafter(family: str, target_dir: Path, data: list[str], work: Path, st
     # The last line of metrics.jsonl is the held-out batches' loss and accuracies after training.
     final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     record = {"drafter": str(run_dir / "drafter"), "seconds": time.perf_counter() - started,
-              "steps": recipe.training.max_steps, "threads": torch.get_num_threads(), "final_metrics": {k: v for k, v in final.items() if k.startswith("eval/")}}
+              "steps": recipe.training.max_steps, "threads": torch.get_num_threads(),
+              "final_metrics": {k: v for k, v in final.items() if k.startswith("eval/")}}
     record_file.write_text(json.dumps(record, indent=1))
     return record
 
