@@ -116,6 +116,14 @@ def train_all(target_dir: Path, data: list[str], work: Path, steps: dict, reuse:
         return {family: future.result() for family, future in futures.items()}
 
 
+def eval_history(run_dir: Path) -> str:
+    """Every periodic eval of a run, from its metrics.jsonl: how fast each drafter learns."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {row["step"]: row for row in rows if "eval/acc_0" in row}  # the final eval repeats the last step
+    return ", ".join(f"{step}: {row['eval/acc_0']:.3f}" + (f" / {row['eval/sim_accept_len']:.2f}"
+                     if "eval/sim_accept_len" in row else "") for step, row in evals.items())
+
+
 def draft_vocab_coverage(drafter, target_dir: Path, tokenizer) -> float:
     """Share of the tokens of the held-out definitions (what the eval asks for) inside EAGLE-3's
     reduced draft vocabulary: a token outside it can never be drafted, so it caps acceptance."""
@@ -199,6 +207,7 @@ def main() -> None:
         m = run["final_metrics"]
         estimate = f", sim_accept_len {m['eval/sim_accept_len']:.2f}" if "eval/sim_accept_len" in m else ""
         print(f"  {family}: held-out top-1 accuracy of draft step 1 {m['eval/acc_0']:.3f}{estimate}")
+        print(f"    during training (step: acc_0 / sim_accept_len): {eval_history(Path(run['drafter']).parent)}")
     coverage = draft_vocab_coverage(drafters["eagle3"], target_dir, target.tokenizer)
     print(f"  eagle3 draft vocabulary ({drafters['eagle3'].lm_head.out_features} of {target.vocab_size} tokens) covers "
           f"{coverage:.1%} of the tokens of the held-out definitions")
