@@ -16,7 +16,9 @@ The recipe, top to bottom:
      chat template means something and answers end with `<|end|>`;
   4. pack the shuffled samples into fixed-length rows and train a Llama
      (GQA, tied embeddings, bf16 autocast, AdamW, warmup-stable-decay lr);
-  5. save a normal transformers folder in bf16, then reload it and measure
+  5. optionally (`--unlikelihood-steps`; the shipped build used it) fine-tune
+     with sequence-level unlikelihood against greedy loops (specdraft/unlikelihood.py);
+  6. save a normal transformers folder in bf16, then reload it and measure
      held-out loss and how often greedy continuations fall into loops.
 """
 
@@ -27,6 +29,7 @@ import hashlib
 import json
 import pathlib
 import random
+import shutil
 import sys
 import sysconfig
 import textwrap
@@ -37,6 +40,7 @@ from tqdm import tqdm
 
 from specdraft.atomic import atomic_folder
 from specdraft.errors import SpecdraftError
+from specdraft.unlikelihood import unlikelihood_finetune
 
 # --------------------------------------------------------------------------- chat format
 
@@ -219,6 +223,18 @@ class ToyRecipe:
     eval_prompts: int = 16  # held-out prompts of each kind for the loop measure
     eval_new_tokens: int = 128
     threads: int = 1  # the build shares small machines; 1 thread degrades gracefully
+    # Last phase: sequence-level unlikelihood fine-tuning against greedy loops (specdraft/unlikelihood.py).
+    unlikelihood_steps: int = 0  # half UL-seq updates on own greedy continuations, half MLE; the shipped build used 1600
+    ul_lr: float = 3e-4  # held, then annealed to 0.1x over the last quarter (1e-3 cost 0.1 nats more held-out loss)
+    ul_batch_size: int = 8
+    ul_prefix_len: int = 64
+    ul_new_tokens: int = 128
+    ul_ngram: int = 4  # Welleck et al. 2020 penalize repeated 4-grams
+
+
+# Fields that do not change what pretraining computes (--init-from may differ in these).
+NOT_PRETRAINING = {"threads", "eval_prompts", "eval_new_tokens", "unlikelihood_steps", "ul_lr", "ul_batch_size",
+                   "ul_prefix_len", "ul_new_tokens", "ul_ngram"}
 
 
 def make_model(recipe: ToyRecipe, tokenizer):
@@ -449,9 +465,13 @@ def build_toy_target(
     stdlib_dir=None,
     overwrite: bool = False,
     command: str | None = None,
+    init_from=None,
 ) -> pathlib.Path:
-    """Train the toy target and save it to out_dir (written to a temp folder, then renamed)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """Train the toy target and save it to out_dir (written to a temp folder, then renamed).
+
+    `init_from` skips pretraining by loading an earlier build of the same pretraining
+    (same seed, --steps and recipe); only the unlikelihood phase then runs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     recipe = recipe or ToyRecipe()
     if (steps is None) == (minutes is None):
@@ -480,16 +500,45 @@ def build_toy_target(
     log(f"python {sys.version.split()[0]} stdlib: {len(train_files)} train files, {len(heldout_files)} held-out files")
 
     texts = training_texts(train_files, recipe.chat_fraction, random.Random(seed))
-    tokenizer = train_tokenizer(texts, recipe.vocab_size, recipe.max_position_embeddings)
+    if init_from:
+        base = check_init_from(init_from, steps=steps, seed=seed, recipe=recipe, train_files=len(train_files))
+        tokenizer = AutoTokenizer.from_pretrained(init_from)
+    else:
+        tokenizer = train_tokenizer(texts, recipe.vocab_size, recipe.max_position_embeddings)
     token_lists = [enc for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     num_tokens = sum(map(len, token_lists))
     log(f"{len(texts)} training samples, {num_tokens} tokens, vocab {len(tokenizer)}, "
         f"{sum(map(len, texts)) / num_tokens:.2f} chars/token")
 
-    model = make_model(recipe, tokenizer)
-    log(f"LlamaForCausalLM {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, recipe {dataclasses.asdict(recipe)}")
-    stats = train(model, token_lists, recipe, steps=steps, minutes=minutes, seed=seed, log=log)
-    log(f"trained {stats['steps']} steps, {stats['tokens']} tokens, {stats['epochs']:.2f} epochs in {stats['train_seconds']}s")
+    if init_from:
+        if num_tokens != base["train_tokens_per_epoch"]:
+            raise SpecdraftError(f"--init-from {init_from} was trained on {base['train_tokens_per_epoch']} tokens per "
+                                 f"epoch, this stdlib gives {num_tokens}: it is not the same pretraining")
+        model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+        stats = {k: base[k] for k in ("steps", "epochs", "tokens", "train_seconds", "final_train_loss")}
+        log(f"pretraining: loaded {init_from} (built by `{base['command']}`) instead of retraining it")
+    else:
+        model = make_model(recipe, tokenizer)
+        log(f"LlamaForCausalLM {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, recipe {dataclasses.asdict(recipe)}")
+        stats = train(model, token_lists, recipe, steps=steps, minutes=minutes, seed=seed, log=log)
+        log(f"trained {stats['steps']} steps, {stats['tokens']} tokens, {stats['epochs']:.2f} epochs in {stats['train_seconds']}s")
+
+    pretrained = None
+    if recipe.unlikelihood_steps:
+        # Round to bf16 as a saved checkpoint is, so --init-from a saved build starts from the same weights.
+        model = model.to(torch.bfloat16).to(torch.float32)
+        loss, _ = heldout_loss(model, tokenizer, list(heldout_files.values()), recipe.seq_len)
+        loops = loop_report(model, tokenizer, heldout_files, recipe)
+        pretrained = {"heldout_loss": loss, **{kind: loops[kind] for kind in ("plain", "chat")}}
+        log(f"after pretraining: held-out loss {loss:.4f}; " + "; ".join(
+            f"greedy {kind} looping {loops[kind]['looping_fraction']}, distinct-4gram {loops[kind]['distinct_4gram_greedy']}"
+            for kind in ("plain", "chat")))
+        rows = packed_rows(token_lists, recipe.seq_len, random.Random(seed + 1))
+        stats.update(unlikelihood_finetune(
+            model, rows, steps=recipe.unlikelihood_steps, lr=recipe.ul_lr, weight_decay=recipe.weight_decay,
+            batch_size=recipe.ul_batch_size, prefix_len=recipe.ul_prefix_len, new_tokens=recipe.ul_new_tokens,
+            ngram=recipe.ul_ngram, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+            assistant_id=tokenizer.convert_tokens_to_ids("<|assistant|>"), seed=seed + 1, log=log))
 
     # Save in bf16 into a temp folder, measure it there; only a complete folder replaces out_dir.
     with atomic_folder(out_dir) as tmp:
@@ -516,6 +565,7 @@ def build_toy_target(
             check_files.append({"path": rel, "text": text, "loss": file_loss, "tokens": file_tokens})
         record = {
             "command": command,
+            "init_from": None if not init_from else {"path": str(init_from), "command": base["command"]},
             "seed": seed,
             "python": sys.version.split()[0],
             "torch": torch.__version__,
@@ -524,6 +574,7 @@ def build_toy_target(
             "heldout_files": sorted(heldout_files),
             "train_tokens_per_epoch": num_tokens,
             **stats,
+            "pretrained": pretrained,
             "heldout_loss": loss,
             "heldout_tokens": scored,
             "loops": loops,
@@ -532,10 +583,30 @@ def build_toy_target(
         }
         (tmp / "build_record.json").write_text(json.dumps(record, indent=1))
         (tmp / "build_log.txt").write_text("\n".join(lines) + "\n")
+        if init_from:  # keep the skipped pretraining's own log beside this one
+            shutil.copyfile(pathlib.Path(init_from) / "build_log.txt", tmp / "pretraining_log.txt")
         write_build_md(tmp)
 
     log(f"saved {out_dir} in {record['build_seconds']}s")
     return out_dir
+
+
+def check_init_from(folder, *, steps, seed, recipe: ToyRecipe, train_files: int) -> dict:
+    """The build record of `folder`, if it is this same pretraining; a clear error if not."""
+    path = pathlib.Path(folder) / "build_record.json"
+    if not path.is_file():
+        raise SpecdraftError(f"--init-from {folder}: no build_record.json there; pass a folder `specdraft toy-target` built")
+    base = json.loads(path.read_text())
+    mine = {k: v for k, v in dataclasses.asdict(recipe).items() if k not in NOT_PRETRAINING}
+    theirs = {k: v for k, v in base["recipe"].items() if k not in NOT_PRETRAINING}
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differ or base["seed"] != seed or base["steps"] != steps or base["train_files"] != train_files:
+        raise SpecdraftError(
+            f"--init-from {folder} is a different pretraining (it ran --steps {base['steps']} --seed {base['seed']} "
+            f"on {base['train_files']} files; recipe fields that differ: {differ or 'none'}); "
+            "pass the same --steps, --seed and recipe flags as its build, or drop --init-from"
+        )
+    return base
 
 
 def write_build_md(folder) -> None:
@@ -549,6 +620,34 @@ def write_build_md(folder) -> None:
         f"| {loops[kind]['ended_with_eos']} |"
         for kind in ("plain", "chat")
     )
+    phases = ""
+    if record.get("pretrained"):  # the unlikelihood phase ran: show the model before and after it
+        before = record["pretrained"]
+        table = "\n".join(
+            f"| {kind} looping (repeated suffix >= 32) | {before[kind]['looping_fraction']} | {loops[kind]['looping_fraction']} |\n"
+            f"| {kind} distinct 4-gram (real {loops[kind]['distinct_4gram_real']}) | {before[kind]['distinct_4gram_greedy']} "
+            f"| {loops[kind]['distinct_4gram_greedy']} |"
+            for kind in ("plain", "chat")
+        )
+        phases = f"""
+## Before and after unlikelihood fine-tuning
+
+{record['unlikelihood_steps']} steps in {record['unlikelihood_seconds']} s, alternating sequence-level unlikelihood
+updates on the model's own greedy continuations of training prefixes (Welleck et al. 2020; repeated
+{r['ul_ngram']}-grams penalized) with MLE updates, lr {r['ul_lr']} annealed over the last quarter. Share of its own greedy tokens inside a
+repeated {r['ul_ngram']}-gram: {record['repeat_share_first']:.3f} over the first 25 UL updates,
+{record['repeat_share_last']:.3f} over the last 25.
+
+| | after pretraining | after unlikelihood fine-tuning |
+|---|---|---|
+| held-out loss (nats/token) | {before['heldout_loss']:.4f} | {record['heldout_loss']:.4f} |
+{table}
+"""
+    origin = ""
+    if record.get("init_from"):
+        origin = (f"\nPretraining was not rerun: `--init-from {record['init_from']['path']}` loaded the build made by "
+                  f"`{record['init_from']['command']}`, which is the same pretraining (checked: seed, steps, recipe, "
+                  "tokens per epoch); its log is `pretraining_log.txt`. Without `--init-from` the command retrains it first.\n")
     samples = "\n\n".join(
         f"**{s['kind']}** prompt:\n````\n{s['prompt']}\n````\ngreedy continuation:\n````\n{s['greedy']}\n````"
         for s in loops["samples"]
@@ -562,7 +661,7 @@ Built by this exact command (Python {record['python']}, torch {record['torch']},
 ```
 
 `--minutes` runs are replayable step for step with `--steps {record['steps']}` (same seed and stdlib).
-
+{origin}
 | | |
 |---|---|
 | model | LlamaForCausalLM, {r['num_layers']} layers, hidden {r['hidden_size']}, {r['num_heads']} heads / {r['num_kv_heads']} KV heads, MLP {r['intermediate_size']}, tied embeddings, bf16 weights |
@@ -583,7 +682,7 @@ L tokens gives about L - p). Looping: repeated suffix >= 32 tokens.
 {rows}
 
 Chat answers that ended with `<|end|>` and parse as Python: {loops['chat'].get('finished_answers_parse')}
-
+{phases}
 {samples}
 
 ## Log
@@ -608,6 +707,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stdlib-dir", help="Python Lib/ folder to train on (default: this interpreter's)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--init-from", help="skip pretraining: start from this earlier build of the same "
+                                            "--steps/--seed/recipe (only the unlikelihood phase runs)")
     for field in dataclasses.fields(ToyRecipe):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=field.type, default=field.default,
                             help=f"(default: {field.default})")
@@ -621,7 +722,8 @@ def run(args: argparse.Namespace) -> int:
     argv = sys.argv[sys.argv.index("toy-target") + 1 :] if "toy-target" in sys.argv else sys.argv[1:]
     command = " ".join(["specdraft toy-target", *argv])  # recorded so the build can be replayed
     build_toy_target(args.out, steps=steps, minutes=minutes, seed=args.seed, recipe=recipe,
-                     stdlib_dir=args.stdlib_dir, overwrite=args.overwrite, command=command)
+                     stdlib_dir=args.stdlib_dir, overwrite=args.overwrite, command=command,
+                     init_from=args.init_from)
     return 0
 
 

@@ -1,7 +1,10 @@
 """Toy target: corpus split, chat template, tiny end-to-end build, and the shipped checkpoint."""
 
+import dataclasses
 import json
+import math
 import pathlib
+import random
 import re
 import sysconfig
 
@@ -25,6 +28,7 @@ from specdraft.toy_target import (
     toy_target_path,
     total_steps_from,
 )
+from specdraft.unlikelihood import greedy_continuations, repeated_ngram_mask, sample_prefixes, unlikelihood_loss
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TINY = ToyRecipe(
@@ -213,3 +217,81 @@ def test_shipped_checkpoint_greedy_chat_answer_replays():
     out = model.generate(prompt_ids, max_new_tokens=24, do_sample=False)
     replay = tokenizer.decode(out[0, prompt_ids.shape[1]:])
     assert sample["greedy"].startswith(replay)
+
+
+# --------------------------------------------------------------------------- unlikelihood phase
+
+TINY_UL = dataclasses.replace(TINY, unlikelihood_steps=4, ul_batch_size=2, ul_prefix_len=16, ul_new_tokens=8)
+
+
+def test_repeated_ngram_mask_marks_every_token_of_a_repeat():
+    tokens = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 5, 0], [7, 7, 7, 7, 7, 7, 0, 0, 0, 0]])
+    valid = torch.tensor([[True] * 9 + [False], [True] * 6 + [False] * 4])
+    mask = repeated_ngram_mask(tokens, valid, n=4)
+    assert mask[0].tolist() == [False] * 4 + [True] * 4 + [False, False]  # (1,2,3,4) again; 5 is new
+    assert mask[1].tolist() == [False, True, True, True, True, True, False, False, False, False]  # 7-runs overlap
+    # Tokens past the valid length never count, even if they would repeat.
+    assert not repeated_ngram_mask(tokens, torch.zeros_like(valid), n=4).any()
+
+
+def test_unlikelihood_loss_is_the_papers_formula_and_lowers_the_penalized_probability():
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]]], requires_grad=True)
+    targets = torch.tensor([[0, 2]])
+    penalize = torch.tensor([[True, False]])
+    loss = unlikelihood_loss(logits, targets, penalize, normalizer=2)
+    p = torch.softmax(torch.tensor([2.0, 0.0, -1.0]), -1)[0]
+    assert loss.item() == pytest.approx(-math.log(1 - p.item()) / 2)  # only the penalized token counts
+    loss.backward()
+    stepped = logits.detach() - 1.0 * logits.grad
+    assert torch.softmax(stepped[0, 0], -1)[0] < p  # gradient descent pushes p(x_t) down
+    assert torch.equal(logits.grad[0, 1], torch.zeros(3))  # unpenalized positions get no gradient
+
+
+def test_greedy_continuations_stop_counting_after_eos(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    prefixes = torch.randint(5, 320, (3, 6), generator=torch.Generator().manual_seed(0))
+    eos = tokenizer.eos_token_id
+    cont, valid = greedy_continuations(model, prefixes, 5, eos, tokenizer.pad_token_id)
+    assert cont.shape == valid.shape == (3, 5)
+    for row in range(3):
+        ids = cont[row].tolist()
+        n_valid = ids.index(eos) + 1 if eos in ids else 5
+        assert valid[row].tolist() == [True] * n_valid + [False] * (5 - n_valid)
+
+
+def test_sample_prefixes_take_document_starts_chat_prompts_and_any_position_in_turn():
+    rows = torch.arange(100, 140).view(2, 20)
+    rows[0, 3] = 0  # an eos: a document starts at (0, 4)
+    rows[1, 12] = 99  # an "<|assistant|>" token
+    prefixes = sample_prefixes(rows, 6, 5, eos_id=0, assistant_id=99, rng=random.Random(0))
+    assert prefixes.shape == (6, 5)
+    assert prefixes[0].tolist() == rows[0, 4:9].tolist() == prefixes[3].tolist()  # right after the eos
+    assert prefixes[1].tolist() == rows[1, 8:13].tolist() == prefixes[4].tolist()  # ends on <|assistant|>
+    for prefix in prefixes[2::3]:  # anywhere: a contiguous slice of one row
+        assert any(prefix.tolist() == row[i : i + 5].tolist() for row in rows for i in range(16))
+    # Rows with neither marker still give prompts.
+    assert sample_prefixes(rows[:, 13:], 3, 5, eos_id=0, assistant_id=99, rng=random.Random(0)).shape == (3, 5)
+
+
+def test_unlikelihood_build_records_both_phases_and_init_from_replays_it(tiny_target, small_stdlib, tmp_path):
+    full = build_toy_target(tmp_path / "full", steps=3, seed=0, recipe=TINY_UL, stdlib_dir=small_stdlib)
+    record = json.loads((full / "build_record.json").read_text())
+    assert record["unlikelihood_steps"] == 4 and record["steps"] == 3
+    assert record["pretrained"]["heldout_loss"] == pytest.approx(
+        json.loads((tiny_target / "build_record.json").read_text())["heldout_loss"])  # measured before UL
+    assert "after unlikelihood fine-tuning" in (full / "BUILD.md").read_text()
+
+    # Starting from the saved 3-step build gives the very same weights as one command.
+    again = build_toy_target(tmp_path / "again", steps=3, seed=0, recipe=TINY_UL, stdlib_dir=small_stdlib,
+                             init_from=tiny_target)
+    assert (again / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    assert json.loads((again / "build_record.json").read_text())["init_from"]["path"] == str(tiny_target)
+    assert (again / "pretraining_log.txt").read_text() == (tiny_target / "build_log.txt").read_text()
+
+    with pytest.raises(SpecdraftError, match="different pretraining.*--steps 3"):
+        build_toy_target(tmp_path / "wrong", steps=4, seed=0, recipe=TINY_UL, stdlib_dir=small_stdlib,
+                         init_from=tiny_target)
+    with pytest.raises(SpecdraftError, match="lr"):
+        build_toy_target(tmp_path / "wrong", steps=3, seed=0, recipe=dataclasses.replace(TINY_UL, lr=1e-3),
+                         stdlib_dir=small_stdlib, init_from=tiny_target)

@@ -1,0 +1,146 @@
+"""Sequence-level unlikelihood fine-tuning: teach a small LM not to loop under greedy decoding.
+
+Maximum likelihood alone leaves small models with greedy continuations that fall into
+loops ("import sys\\nimport sys\\n..."): once a phrase repeats, its probability rises with
+every repeat (Xu et al. 2022, "Learning to Break the Loop", sec. 3). Welleck et al. 2020
+("Neural Text Generation with Unlikelihood Training", sec. 5.2) fix it where it happens:
+decode greedily from training prefixes, find the tokens that belong to an n-gram the
+continuation already produced, and push their probability down with
+
+    L_UL-seq = - sum_t sum_{c in C_t} log(1 - p(c | x_<t)),   C_t = {x_t} if x_t is in a repeated n-gram
+
+alternating these updates with ordinary MLE updates on the training data so the model
+keeps its likelihood. The toy target's last build phase runs this (`--unlikelihood-steps`).
+"""
+
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def repeated_ngram_mask(tokens: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, L] bool: True at every token of an n-gram that already started earlier in the same
+    row (Welleck et al. 2020, eq. 6's candidate set). Only `valid` tokens count."""
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    for row in range(tokens.shape[0]):
+        ids = tokens[row, : int(valid[row].sum())].tolist()  # valid is a prefix of each row
+        seen = set()
+        for start in range(len(ids) - n + 1):
+            gram = tuple(ids[start : start + n])
+            if gram in seen:
+                mask[row, start : start + n] = True
+            seen.add(gram)
+    return mask
+
+
+def unlikelihood_loss(logits: torch.Tensor, targets: torch.Tensor, penalize: torch.Tensor, normalizer) -> torch.Tensor:
+    """Welleck et al. 2020, eq. 5 with C_t = {x_t} where `penalize`: -sum log(1 - p(x_t | x_<t)),
+    divided by `normalizer` (the number of continuation tokens, as fairseq's implementation does).
+    1 - p is clamped at 1e-5 so a token the model is sure of gives a large but finite loss."""
+    prob = logits.float().softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return -(torch.log((1 - prob).clamp_min(1e-5)) * penalize).sum() / normalizer
+
+
+def sample_prefixes(rows: torch.Tensor, count: int, length: int, *, eos_id: int, assistant_id: int,
+                    rng: random.Random) -> torch.Tensor:
+    """[count, length] prompts cut from the packed training rows, in turn: the start of a
+    document (right after an eos), a chat prompt (ending on `<|assistant|>`), and any
+    position; the ways a target is prompted. A kind the rows lack falls back to any position."""
+    doc_starts = [(r, i + 1) for r, i in (rows == eos_id).nonzero().tolist() if i + 1 + length <= rows.shape[1]]
+    chat_ends = [(r, i + 1 - length) for r, i in (rows == assistant_id).nonzero().tolist() if i + 1 >= length]
+    prefixes = []
+    for k in range(count):
+        starts = (doc_starts, chat_ends, [])[k % 3]
+        if starts:
+            r, begin = starts[rng.randrange(len(starts))]
+        else:
+            r, begin = rng.randrange(rows.shape[0]), rng.randrange(rows.shape[1] - length + 1)
+        prefixes.append(rows[r, begin : begin + length])
+    return torch.stack(prefixes)
+
+
+@torch.no_grad()
+def greedy_continuations(model, prefixes: torch.Tensor, new_tokens: int, eos_id: int, pad_id: int):
+    """Greedy continuations [B, new_tokens] and their valid mask (up to and including eos)."""
+    model.eval()
+    out = model.generate(prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens if eos_id is None else 0, do_sample=False,
+                         eos_token_id=eos_id, pad_token_id=pad_id)
+    cont = out[:, prefixes.shape[1]:]
+    cont = torch.nn.functional.pad(cont, (0, new_tokens - cont.shape[1]), value=pad_id)
+    ended = (cont == eos_id).long().cumsum(1)
+    valid = (ended == 0) | ((ended == 1) & (cont == eos_id))  # tokens before the first eos, and the eos
+    return cont, valid
+
+
+def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, weight_decay: float, batch_size: int,
+                          prefix_len: int, new_tokens: int, ngram: int, eos_id: int, pad_id: int, assistant_id: int,
+                          seed: int, log) -> dict:
+    """Alternate UL-seq updates (even steps) with MLE updates on packed rows (odd steps), as
+    Welleck et al. mix them with probability 0.5; deterministic given seed. Returns stats."""
+    rng = random.Random(seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+    order = list(range(rows.shape[0]))
+    rng.shuffle(order)
+    cursor, start = 0, time.time()
+    repeat_rates, ul_losses, mle_losses = [], [], []
+    bar = tqdm(total=steps, desc="unlikelihood", unit="step", dynamic_ncols=True)
+    decay_start = steps - steps // 4
+    for step in range(steps):
+        # Constant lr, then a linear anneal to 0.1x over the last quarter (as pretraining's WSD ends).
+        done = max(step - decay_start, 0) / max(steps - decay_start, 1)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (1 - 0.9 * done)
+        device_type = "cuda" if rows.is_cuda else "cpu"
+        if step % 2 == 0:
+            prefixes = sample_prefixes(rows, batch_size, prefix_len, eos_id=eos_id, assistant_id=assistant_id, rng=rng)
+            cont, valid = greedy_continuations(model, prefixes, new_tokens, eos_id, pad_id)
+            penalize = repeated_ngram_mask(cont, valid, ngram)
+            repeat_rates.append(penalize.sum().item() / max(valid.sum().item(), 1))
+            model.train()
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                logits = model(input_ids=torch.cat([prefixes, cont], 1)).logits[:, prefix_len - 1 : -1]
+            loss = unlikelihood_loss(logits, cont, penalize, max(valid.sum().item(), 1))
+            ul_losses.append(loss.item())
+        else:
+            if cursor + batch_size > len(order):
+                rng.shuffle(order)
+                cursor = 0
+            batch = rows[order[cursor : cursor + batch_size]]
+            cursor += batch_size
+            model.train()
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                loss = model(input_ids=batch, labels=batch).loss
+            mle_losses.append(loss.item())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        if repeat_rates and mle_losses:
+            recent = slice(-25, None)
+            bar.set_postfix(repeats=f"{sum(repeat_rates[recent]) / len(repeat_rates[recent]):.3f}",
+                            mle=f"{sum(mle_losses[recent]) / len(mle_losses[recent]):.3f}")
+        if (step + 1) % 50 == 0:
+            window = slice(-25, None)
+            log(f"unlikelihood step {step + 1}: repeated-{ngram}-gram share of own greedy tokens "
+                f"{sum(repeat_rates[window]) / len(repeat_rates[window]):.4f}, ul loss "
+                f"{sum(ul_losses[window]) / len(ul_losses[window]):.4f}, mle loss "
+                f"{sum(mle_losses[window]) / len(mle_losses[window]):.4f}, elapsed {time.time() - start:.0f}s")
+    bar.close()
+    model.eval()
+    first, last = repeat_rates[:25], repeat_rates[-25:]
+    return {
+        "unlikelihood_steps": steps,
+        "unlikelihood_seconds": round(time.time() - start, 1),
+        "repeat_share_first": sum(first) / max(len(first), 1),
+        "repeat_share_last": sum(last) / max(len(last), 1),
+        "final_mle_loss": sum(mle_losses[-25:]) / max(len(mle_losses[-25:]), 1),
+    }
