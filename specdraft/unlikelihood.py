@@ -65,8 +65,7 @@ def sample_prefixes(rows: torch.Tensor, count: int, length: int, *, eos_id: int,
 def greedy_continuations(model, prefixes: torch.Tensor, new_tokens: int, eos_id: int, pad_id: int):
     """Greedy continuations [B, new_tokens] and their valid mask (up to and including eos)."""
     model.eval()
-    out = model.generate(prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens if eos_id is None else 0, do_sample=False,
+    out = model.generate(prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=new_tokens, do_sample=False,
                          eos_token_id=eos_id, pad_token_id=pad_id)
     cont = out[:, prefixes.shape[1]:]
     cont = torch.nn.functional.pad(cont, (0, new_tokens - cont.shape[1]), value=pad_id)
@@ -93,12 +92,12 @@ def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, w
     repeat_rates, ul_losses, mle_losses = [], [], []
     bar = tqdm(total=steps, desc="unlikelihood", unit="step", dynamic_ncols=True)
     decay_start = steps - steps // 4
+    device_type = "cuda" if rows.is_cuda else "cpu"
     for step in range(steps):
         # Constant lr, then a linear anneal to 0.1x over the last quarter (as pretraining's WSD ends).
         done = max(step - decay_start, 0) / max(steps - decay_start, 1)
         for group in optimizer.param_groups:
             group["lr"] = lr * (1 - 0.9 * done)
-        device_type = "cuda" if rows.is_cuda else "cpu"
         if step % 2 == 0:
             prefixes = sample_prefixes(rows, batch_size, prefix_len, eos_id=eos_id, assistant_id=assistant_id, rng=rng)
             cont, valid = greedy_continuations(model, prefixes, new_tokens, eos_id, pad_id)
