@@ -597,6 +597,9 @@ def check_init_from(folder, *, steps, seed, recipe: ToyRecipe, train_files: int)
     if not path.is_file():
         raise SpecdraftError(f"--init-from {folder}: no build_record.json there; pass a folder `specdraft toy-target` built")
     base = json.loads(path.read_text())
+    if base.get("unlikelihood_steps"):
+        raise SpecdraftError(f"--init-from {folder} was already fine-tuned ({base['unlikelihood_steps']} unlikelihood "
+                             "steps); pass a pretraining-only build, so one command can reproduce the result")
     mine = {k: v for k, v in dataclasses.asdict(recipe).items() if k not in NOT_PRETRAINING}
     theirs = {k: v for k, v in base["recipe"].items() if k not in NOT_PRETRAINING}
     differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))

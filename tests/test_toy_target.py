@@ -292,6 +292,8 @@ def test_unlikelihood_build_records_both_phases_and_init_from_replays_it(tiny_ta
     with pytest.raises(SpecdraftError, match="different pretraining.*--steps 3"):
         build_toy_target(tmp_path / "wrong", steps=4, seed=0, recipe=TINY_UL, stdlib_dir=small_stdlib,
                          init_from=tiny_target)
+    with pytest.raises(SpecdraftError, match="already fine-tuned"):
+        build_toy_target(tmp_path / "wrong", steps=3, seed=0, recipe=TINY_UL, stdlib_dir=small_stdlib, init_from=full)
     with pytest.raises(SpecdraftError, match="lr"):
         build_toy_target(tmp_path / "wrong", steps=3, seed=0, recipe=dataclasses.replace(TINY_UL, lr=1e-3),
                          stdlib_dir=small_stdlib, init_from=tiny_target)
