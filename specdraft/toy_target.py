@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from specdraft.atomic import atomic_folder
 from specdraft.errors import SpecdraftError
-from specdraft.unlikelihood import unlikelihood_finetune
+from specdraft.unlikelihood import adamw_without_norm_decay, unlikelihood_finetune
 
 # --------------------------------------------------------------------------- chat format
 
@@ -298,13 +298,7 @@ def train(model, token_lists, recipe: ToyRecipe, *, steps: int | None, minutes: 
     stable phase runs until (1 - decay_fraction) of the time is used, then the step
     count is fixed; `--steps <logged steps>` replays the same schedule."""
     rng = random.Random(seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # no decay on norms
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=recipe.lr,
-        betas=(0.9, 0.95),
-    )
+    optimizer = adamw_without_norm_decay(model, recipe.lr, recipe.weight_decay)
     rows, cursor, epoch = packed_rows(token_lists, recipe.seq_len, rng), 0, 0
     total_steps = steps
     start, step, smooth = time.time(), 0, None

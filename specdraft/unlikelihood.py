@@ -74,18 +74,28 @@ def greedy_continuations(model, prefixes: torch.Tensor, new_tokens: int, eos_id:
     return cont, valid
 
 
+def adamw_without_norm_decay(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW(betas 0.9, 0.95) with weight decay on matrices only, not on norms (the toy target's optimizer)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+
+
+def _recent_mean(values: list[float], window: int = 25) -> float:
+    recent = values[-window:]
+    return sum(recent) / max(len(recent), 1)
+
+
 def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, weight_decay: float, batch_size: int,
                           prefix_len: int, new_tokens: int, ngram: int, eos_id: int, pad_id: int, assistant_id: int,
                           seed: int, log) -> dict:
     """Alternate UL-seq updates (even steps) with MLE updates on packed rows (odd steps), as
     Welleck et al. mix them with probability 0.5; deterministic given seed. Returns stats."""
     rng = random.Random(seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
-    )
+    optimizer = adamw_without_norm_decay(model, lr, weight_decay)
     order = list(range(rows.shape[0]))
     rng.shuffle(order)
     cursor, start = 0, time.time()
@@ -102,11 +112,12 @@ def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, w
             prefixes = sample_prefixes(rows, batch_size, prefix_len, eos_id=eos_id, assistant_id=assistant_id, rng=rng)
             cont, valid = greedy_continuations(model, prefixes, new_tokens, eos_id, pad_id)
             penalize = repeated_ngram_mask(cont, valid, ngram)
-            repeat_rates.append(penalize.sum().item() / max(valid.sum().item(), 1))
+            num_valid = max(valid.sum().item(), 1)
+            repeat_rates.append(penalize.sum().item() / num_valid)
             model.train()
             with torch.autocast(device_type, dtype=torch.bfloat16):
                 logits = model(input_ids=torch.cat([prefixes, cont], 1)).logits[:, prefix_len - 1 : -1]
-            loss = unlikelihood_loss(logits, cont, penalize, max(valid.sum().item(), 1))
+            loss = unlikelihood_loss(logits, cont, penalize, num_valid)
             ul_losses.append(loss.item())
         else:
             if cursor + batch_size > len(order):
@@ -124,22 +135,17 @@ def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, w
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
         if repeat_rates and mle_losses:
-            recent = slice(-25, None)
-            bar.set_postfix(repeats=f"{sum(repeat_rates[recent]) / len(repeat_rates[recent]):.3f}",
-                            mle=f"{sum(mle_losses[recent]) / len(mle_losses[recent]):.3f}")
+            bar.set_postfix(repeats=f"{_recent_mean(repeat_rates):.3f}", mle=f"{_recent_mean(mle_losses):.3f}")
         if (step + 1) % 50 == 0:
-            window = slice(-25, None)
             log(f"unlikelihood step {step + 1}: repeated-{ngram}-gram share of own greedy tokens "
-                f"{sum(repeat_rates[window]) / len(repeat_rates[window]):.4f}, ul loss "
-                f"{sum(ul_losses[window]) / len(ul_losses[window]):.4f}, mle loss "
-                f"{sum(mle_losses[window]) / len(mle_losses[window]):.4f}, elapsed {time.time() - start:.0f}s")
+                f"{_recent_mean(repeat_rates):.4f}, ul loss {_recent_mean(ul_losses):.4f}, mle loss "
+                f"{_recent_mean(mle_losses):.4f}, elapsed {time.time() - start:.0f}s")
     bar.close()
     model.eval()
-    first, last = repeat_rates[:25], repeat_rates[-25:]
     return {
         "unlikelihood_steps": steps,
         "unlikelihood_seconds": round(time.time() - start, 1),
-        "repeat_share_first": sum(first) / max(len(first), 1),
-        "repeat_share_last": sum(last) / max(len(last), 1),
-        "final_mle_loss": sum(mle_losses[-25:]) / max(len(mle_losses[-25:]), 1),
+        "repeat_share_first": _recent_mean(repeat_rates[:25]),
+        "repeat_share_last": _recent_mean(repeat_rates),
+        "final_mle_loss": _recent_mean(mle_losses),
     }
