@@ -265,6 +265,12 @@ def packed_rows(token_lists: list[list[int]], seq_len: int, rng: random.Random) 
     return flat[: rows * seq_len].view(rows, seq_len)
 
 
+def plain_file_starts(token_lists: list[list[int]], user_id: int, length: int) -> torch.Tensor:
+    """[N, length]: the first tokens of every sample that is a plain file (chat samples start with <|user|>)."""
+    starts = [ids[:length] for ids in token_lists if ids and ids[0] != user_id and len(ids) >= length]
+    return torch.tensor(starts, dtype=torch.long).view(-1, length)
+
+
 def lr_at(step: int, total_steps: int | None, recipe: ToyRecipe) -> float:
     """Warmup-stable-decay (MiniCPM, Hu et al. 2024, sec. 4): linear warmup, constant lr,
     then a linear decay to min_lr_ratio * lr over the last decay_fraction of the steps.
@@ -375,28 +381,35 @@ def longest_repeated_suffix(tokens: list[int]) -> int:
     return 0
 
 
+LOOP_KINDS = ("plain", "mid", "chat")
+MID_OFFSET = 512  # "mid" prompts start this many tokens into a held-out file
+
+
 def loop_report(model, tokenizer, heldout: dict[str, str], recipe: ToyRecipe) -> dict:
     """Greedy continuations of held-out prompts vs the true continuations.
 
-    Two prompt kinds: the first 64 tokens of a held-out file (plain), and a chat
-    request for one of its definitions. The same measures on the real text are the
+    Three prompt kinds: the first 64 tokens of a held-out file (plain), 64 tokens from
+    MID_OFFSET on (mid), and a chat request for one of its definitions. The same measures on the real text are the
     reference: code repeats itself a little, so the target is 'close to real', not 1.0.
     """
     model.eval()
-    plain, chats = [], []
+    plain, mids, chats = [], [], []
     for rel, text in heldout.items():
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= 64 + recipe.eval_new_tokens:
             plain.append((ids[:64], ids[64 : 64 + recipe.eval_new_tokens]))
+        if len(ids) >= MID_OFFSET + 64 + recipe.eval_new_tokens:
+            mids.append((ids[MID_OFFSET : MID_OFFSET + 64], ids[MID_OFFSET + 64 : MID_OFFSET + 64 + recipe.eval_new_tokens]))
         for prompt, source in definition_prompts(rel, text)[:2]:
             messages = [{"role": "user", "content": prompt}]
             prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
             answer_ids = tokenizer(source + END, add_special_tokens=False)["input_ids"][: recipe.eval_new_tokens]
             chats.append((prompt_ids["input_ids"], answer_ids))
-    plain, chats = plain[: recipe.eval_prompts], chats[: recipe.eval_prompts]
+    prompts = {"plain": plain, "mid": mids, "chat": chats}
 
     report, samples = {}, []
-    for kind, pairs in (("plain", plain), ("chat", chats)):
+    for kind in LOOP_KINDS:
+        pairs = prompts[kind][: recipe.eval_prompts]
         generated, real = [], []
         for prompt_ids, true_ids in tqdm(pairs, desc=f"greedy {kind}", leave=False):
             out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=recipe.eval_new_tokens,
@@ -419,6 +432,9 @@ def loop_report(model, tokenizer, heldout: dict[str, str], recipe: ToyRecipe) ->
             "repeated_suffix_real": mean([longest_repeated_suffix(r) for r in real]),
             "looping_fraction": mean([longest_repeated_suffix(g) >= 32 for g in long_gens]),
             "ended_with_eos": mean([bool(g) and g[-1] == tokenizer.eos_token_id for g in generated]),
+            # Loops can also be "fixed" by emitting junk; U+FFFD marks tokens that do not decode to text.
+            "garbled_greedy": mean(["\ufffd" in tokenizer.decode(g) for g in generated]),
+            "garbled_real": mean(["\ufffd" in tokenizer.decode(r) for r in real]),
         }
         if kind == "chat":  # do finished answers parse as Python?
             finished = [tokenizer.decode(g[:-1]) for g in generated if g and g[-1] == tokenizer.eos_token_id]
@@ -523,13 +539,16 @@ def build_toy_target(
         model = model.to(torch.bfloat16).to(torch.float32)
         loss, _ = heldout_loss(model, tokenizer, list(heldout_files.values()), recipe.seq_len)
         loops = loop_report(model, tokenizer, heldout_files, recipe)
-        pretrained = {"heldout_loss": loss, **{kind: loops[kind] for kind in ("plain", "chat")}}
+        pretrained = {"heldout_loss": loss, **{kind: loops[kind] for kind in LOOP_KINDS}}
         log(f"after pretraining: held-out loss {loss:.4f}; " + "; ".join(
             f"greedy {kind} looping {loops[kind]['looping_fraction']}, distinct-4gram {loops[kind]['distinct_4gram_greedy']}"
-            for kind in ("plain", "chat")))
+            for kind in LOOP_KINDS))
         rows = packed_rows(token_lists, recipe.seq_len, random.Random(seed + 1))
+        file_starts = plain_file_starts(token_lists, tokenizer.convert_tokens_to_ids("<|user|>"),
+                                        recipe.ul_prefix_len + recipe.ul_new_tokens)
+        log(f"unlikelihood prompts: {len(file_starts)} plain file starts, chat prompts and any position, in turn")
         stats.update(unlikelihood_finetune(
-            model, rows, steps=recipe.unlikelihood_steps, lr=recipe.ul_lr, weight_decay=recipe.weight_decay,
+            model, rows, file_starts, steps=recipe.unlikelihood_steps, lr=recipe.ul_lr, weight_decay=recipe.weight_decay,
             batch_size=recipe.ul_batch_size, prefix_len=recipe.ul_prefix_len, new_tokens=recipe.ul_new_tokens,
             ngram=recipe.ul_ngram, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
             assistant_id=tokenizer.convert_tokens_to_ids("<|assistant|>"), seed=seed + 1, log=log))
@@ -546,7 +565,7 @@ def build_toy_target(
         loss, scored = heldout_loss(saved, tokenizer, list(heldout_files.values()), recipe.seq_len)
         log(f"held-out loss {loss:.4f} nats/token over {scored} tokens ({len(heldout_files)} files)")
         loops = loop_report(saved, tokenizer, heldout_files, recipe)
-        for kind in ("plain", "chat"):
+        for kind in LOOP_KINDS:
             log(f"greedy {kind}: " + ", ".join(f"{k} {v}" for k, v in loops[kind].items()))
 
         # A few held-out files with their own losses, shipped so a test can recompute them
@@ -614,8 +633,8 @@ def write_build_md(folder) -> None:
     rows = "\n".join(
         f"| {kind} | {loops[kind]['prompts']} | {loops[kind]['distinct_4gram_greedy']} | {loops[kind]['distinct_4gram_real']} "
         f"| {loops[kind]['repeated_suffix_greedy']} | {loops[kind]['repeated_suffix_real']} | {loops[kind]['looping_fraction']} "
-        f"| {loops[kind]['ended_with_eos']} |"
-        for kind in ("plain", "chat")
+        f"| {loops[kind]['garbled_greedy']} | {loops[kind]['garbled_real']} | {loops[kind]['ended_with_eos']} |"
+        for kind in LOOP_KINDS
     )
     phases = ""
     if record.get("pretrained"):  # the unlikelihood phase ran: show the model before and after it
@@ -623,15 +642,16 @@ def write_build_md(folder) -> None:
         table = "\n".join(
             f"| {kind} looping (repeated suffix >= 32) | {before[kind]['looping_fraction']} | {loops[kind]['looping_fraction']} |\n"
             f"| {kind} distinct 4-gram (real {loops[kind]['distinct_4gram_real']}) | {before[kind]['distinct_4gram_greedy']} "
-            f"| {loops[kind]['distinct_4gram_greedy']} |"
-            for kind in ("plain", "chat")
+            f"| {loops[kind]['distinct_4gram_greedy']} |\n"
+            f"| {kind} garbled (real {loops[kind]['garbled_real']}) | {before[kind]['garbled_greedy']} | {loops[kind]['garbled_greedy']} |"
+            for kind in LOOP_KINDS
         )
         phases = f"""
 ## Before and after unlikelihood fine-tuning
 
 {record['unlikelihood_steps']} steps in {record['unlikelihood_seconds']} s, alternating sequence-level unlikelihood
 updates on the model's own greedy continuations of training prefixes (Welleck et al. 2020; repeated
-{r['ul_ngram']}-grams penalized) with MLE updates, lr {r['ul_lr']} annealed over the last quarter. Share of its own greedy tokens inside a
+{r['ul_ngram']}-grams penalized, plus the MLE loss of the prefixes' true continuations) with MLE updates, lr {r['ul_lr']} annealed over the last quarter. Share of its own greedy tokens inside a
 repeated {r['ul_ngram']}-gram: {record['repeat_share_first']:.3f} over the first 25 UL updates,
 {record['repeat_share_last']:.3f} over the last 25.
 
@@ -672,10 +692,11 @@ Built by this exact command (Python {record['python']}, torch {record['torch']},
 
 "real" is the same measure on the true continuation. Distinct 4-gram ratio: unique/all 4-grams
 (1 = no repeats). Repeated suffix: longest suffix that already occurred (a loop of period p over
-L tokens gives about L - p). Looping: repeated suffix >= 32 tokens.
+L tokens gives about L - p). Looping: repeated suffix >= 32 tokens. Garbled: the decoded text has
+bytes that are not UTF-8 (U+FFFD), a model escaping loops through junk tokens.
 
-| prompts | n | distinct 4-gram greedy | real | repeated suffix greedy | real | looping | ended with the end token |
-|---|---|---|---|---|---|---|---|
+| prompts | n | distinct 4-gram greedy | real | repeated suffix greedy | real | looping | garbled greedy | real | ended with the end token |
+|---|---|---|---|---|---|---|---|---|---|
 {rows}
 
 Chat answers that ended with `<|end|>` and parse as Python: {loops['chat'].get('finished_answers_parse')}

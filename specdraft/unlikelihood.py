@@ -10,7 +10,8 @@ continuation already produced, and push their probability down with
     L_UL-seq = - sum_t sum_{c in C_t} log(1 - p(c | x_<t)),   C_t = {x_t} if x_t is in a repeated n-gram
 
 alternating these updates with ordinary MLE updates on the training data so the model
-keeps its likelihood. The toy target's last build phase runs this (`--unlikelihood-steps`).
+keeps its likelihood (and, here, adding the MLE loss of each prompt's true continuation to
+its UL update; see unlikelihood_finetune). The toy target's last build phase runs this (`--unlikelihood-steps`).
 """
 
 import random
@@ -43,22 +44,32 @@ def unlikelihood_loss(logits: torch.Tensor, targets: torch.Tensor, penalize: tor
     return -(torch.log((1 - prob).clamp_min(1e-5)) * penalize).sum() / normalizer
 
 
-def sample_prefixes(rows: torch.Tensor, count: int, length: int, *, eos_id: int, assistant_id: int,
-                    rng: random.Random) -> torch.Tensor:
-    """[count, length] prompts cut from the packed training rows, in turn: the start of a
-    document (right after an eos), a chat prompt (ending on `<|assistant|>`), and any
-    position; the ways a target is prompted. A kind the rows lack falls back to any position."""
-    doc_starts = [(r, i + 1) for r, i in (rows == eos_id).nonzero().tolist() if i + 1 + length <= rows.shape[1]]
-    chat_ends = [(r, i + 1 - length) for r, i in (rows == assistant_id).nonzero().tolist() if i + 1 >= length]
-    prefixes = []
+def sample_windows(rows: torch.Tensor, file_starts: torch.Tensor, count: int, prefix_len: int, window_len: int, *,
+                   assistant_id: int, rng: random.Random) -> torch.Tensor:
+    """[count, window_len] stretches of training text whose first `prefix_len` tokens are a
+    prompt, in turn: the start of a plain file (a row of `file_starts`), a chat prompt cut from
+    the packed rows (ending on `<|assistant|>`, so the answer follows), and any position of the
+    rows; the ways a target is prompted. A kind that is missing falls back to any position.
+    The rest of each window is the true continuation, the MLE anchor of the UL step.
+
+    File starts are passed in, not found after each eos in the rows: there most samples are
+    chats, and the eos also closes every user turn, so "after an eos" is nearly always chat."""
+    width = rows.shape[1]
+    chat_ends = [(r, i + 1 - prefix_len) for r, i in (rows == assistant_id).nonzero().tolist()
+                 if i + 1 >= prefix_len and i + 1 - prefix_len + window_len <= width]
+    if file_starts.shape[-1] < window_len:
+        file_starts = file_starts[:0]
+    windows = []
     for k in range(count):
-        starts = (doc_starts, chat_ends, [])[k % 3]
-        if starts:
-            r, begin = starts[rng.randrange(len(starts))]
+        if k % 3 == 0 and len(file_starts):
+            windows.append(file_starts[rng.randrange(len(file_starts)), :window_len])
+            continue
+        if k % 3 == 1 and chat_ends:
+            r, begin = chat_ends[rng.randrange(len(chat_ends))]
         else:
-            r, begin = rng.randrange(rows.shape[0]), rng.randrange(rows.shape[1] - length + 1)
-        prefixes.append(rows[r, begin : begin + length])
-    return torch.stack(prefixes)
+            r, begin = rng.randrange(rows.shape[0]), rng.randrange(width - window_len + 1)
+        windows.append(rows[r, begin : begin + window_len])
+    return torch.stack(windows)
 
 
 @torch.no_grad()
@@ -89,17 +100,22 @@ def _recent_mean(values: list[float], window: int = 25) -> float:
     return sum(recent) / max(len(recent), 1)
 
 
-def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, weight_decay: float, batch_size: int,
+def unlikelihood_finetune(model, rows: torch.Tensor, file_starts: torch.Tensor, *, steps: int, lr: float, weight_decay: float, batch_size: int,
                           prefix_len: int, new_tokens: int, ngram: int, eos_id: int, pad_id: int, assistant_id: int,
                           seed: int, log) -> dict:
     """Alternate UL-seq updates (even steps) with MLE updates on packed rows (odd steps), as
-    Welleck et al. mix them with probability 0.5; deterministic given seed. Returns stats."""
+    Welleck et al. mix them with probability 0.5; deterministic given seed. Returns stats.
+
+    Each UL step also takes the MLE loss of its prompts' true continuations. Without that
+    anchor the probability UL removes from a looping token can go anywhere; at plain file
+    starts, rare in the packed rows' MLE, it went to junk bytes (greedy output stopped
+    looping and stopped being text)."""
     rng = random.Random(seed)
     optimizer = adamw_without_norm_decay(model, lr, weight_decay)
     order = list(range(rows.shape[0]))
     rng.shuffle(order)
     cursor, start = 0, time.time()
-    repeat_rates, ul_losses, mle_losses = [], [], []
+    repeat_rates, ul_losses, anchor_losses, mle_losses = [], [], [], []
     bar = tqdm(total=steps, desc="unlikelihood", unit="step", dynamic_ncols=True)
     decay_start = steps - steps // 4
     device_type = "cuda" if rows.is_cuda else "cpu"
@@ -109,16 +125,22 @@ def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, w
         for group in optimizer.param_groups:
             group["lr"] = lr * (1 - 0.9 * done)
         if step % 2 == 0:
-            prefixes = sample_prefixes(rows, batch_size, prefix_len, eos_id=eos_id, assistant_id=assistant_id, rng=rng)
+            windows = sample_windows(rows, file_starts, batch_size, prefix_len, prefix_len + new_tokens,
+                                     assistant_id=assistant_id, rng=rng)
+            prefixes, truth = windows[:, :prefix_len], windows[:, prefix_len:]
             cont, valid = greedy_continuations(model, prefixes, new_tokens, eos_id, pad_id)
             penalize = repeated_ngram_mask(cont, valid, ngram)
             num_valid = max(valid.sum().item(), 1)
             repeat_rates.append(penalize.sum().item() / num_valid)
             model.train()
-            with torch.autocast(device_type, dtype=torch.bfloat16):
-                logits = model(input_ids=torch.cat([prefixes, cont], 1)).logits[:, prefix_len - 1 : -1]
-            loss = unlikelihood_loss(logits, cont, penalize, num_valid)
-            ul_losses.append(loss.item())
+            with torch.autocast(device_type, dtype=torch.bfloat16):  # own continuations and true ones in one forward
+                logits = model(input_ids=torch.cat([torch.cat([prefixes, cont], 1), windows])).logits[:, prefix_len - 1 : -1]
+            own_logits, true_logits = logits.chunk(2)
+            ul = unlikelihood_loss(own_logits, cont, penalize, num_valid)
+            anchor = torch.nn.functional.cross_entropy(true_logits.float().flatten(0, 1), truth.flatten())
+            loss = ul + anchor
+            anchor_losses.append(anchor.item())
+            ul_losses.append(ul.item())
         else:
             if cursor + batch_size > len(order):
                 rng.shuffle(order)
@@ -138,7 +160,8 @@ def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, w
             bar.set_postfix(repeats=f"{_recent_mean(repeat_rates):.3f}", mle=f"{_recent_mean(mle_losses):.3f}")
         if (step + 1) % 50 == 0:
             log(f"unlikelihood step {step + 1}: repeated-{ngram}-gram share of own greedy tokens "
-                f"{_recent_mean(repeat_rates):.4f}, ul loss {_recent_mean(ul_losses):.4f}, mle loss "
+                f"{_recent_mean(repeat_rates):.4f}, ul loss {_recent_mean(ul_losses):.4f}, anchor loss "
+                f"{_recent_mean(anchor_losses):.4f}, mle loss "
                 f"{_recent_mean(mle_losses):.4f}, elapsed {time.time() - start:.0f}s")
     bar.close()
     model.eval()
@@ -148,4 +171,5 @@ def unlikelihood_finetune(model, rows: torch.Tensor, *, steps: int, lr: float, w
         "repeat_share_first": _recent_mean(repeat_rates[:25]),
         "repeat_share_last": _recent_mean(repeat_rates),
         "final_mle_loss": _recent_mean(mle_losses),
+        "final_anchor_loss": _recent_mean(anchor_losses),
     }

@@ -23,12 +23,14 @@ from specdraft.toy_target import (
     list_source_files,
     longest_repeated_suffix,
     lr_at,
+    plain_file_starts,
     render_chat,
     split_files,
     toy_target_path,
+    training_texts,
     total_steps_from,
 )
-from specdraft.unlikelihood import greedy_continuations, repeated_ngram_mask, sample_prefixes, unlikelihood_loss
+from specdraft.unlikelihood import greedy_continuations, repeated_ngram_mask, sample_windows, unlikelihood_loss
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TINY = ToyRecipe(
@@ -260,18 +262,35 @@ def test_greedy_continuations_stop_counting_after_eos(tiny_target):
         assert valid[row].tolist() == [True] * n_valid + [False] * (5 - n_valid)
 
 
-def test_sample_prefixes_take_document_starts_chat_prompts_and_any_position_in_turn():
+def test_sample_windows_take_file_starts_chat_prompts_and_any_position_in_turn():
     rows = torch.arange(100, 140).view(2, 20)
-    rows[0, 3] = 0  # an eos: a document starts at (0, 4)
     rows[1, 12] = 99  # an "<|assistant|>" token
-    prefixes = sample_prefixes(rows, 6, 5, eos_id=0, assistant_id=99, rng=random.Random(0))
-    assert prefixes.shape == (6, 5)
-    assert prefixes[0].tolist() == rows[0, 4:9].tolist() == prefixes[3].tolist()  # right after the eos
-    assert prefixes[1].tolist() == rows[1, 8:13].tolist() == prefixes[4].tolist()  # ends on <|assistant|>
-    for prefix in prefixes[2::3]:  # anywhere: a contiguous slice of one row
-        assert any(prefix.tolist() == row[i : i + 5].tolist() for row in rows for i in range(16))
-    # Rows with neither marker still give prompts.
-    assert sample_prefixes(rows[:, 13:], 3, 5, eos_id=0, assistant_id=99, rng=random.Random(0)).shape == (3, 5)
+    file_starts = torch.tensor([[7, 7, 7, 7, 7, 7, 7, 8, 8]])  # one plain file's first tokens
+    windows = sample_windows(rows, file_starts, 6, 5, 8, assistant_id=99, rng=random.Random(0))
+    assert windows.shape == (6, 8)
+    assert windows[0].tolist() == [7] * 7 + [8] == windows[3].tolist()  # a file start, cut to the window
+    assert windows[1].tolist() == rows[1, 8:16].tolist() == windows[4].tolist()  # prompt ends on <|assistant|>
+    assert windows[1, 4] == 99
+    for window in windows[2::3]:  # anywhere: a contiguous slice of one row
+        assert any(window.tolist() == row[i : i + 8].tolist() for row in rows for i in range(13))
+    # No file starts long enough, and no chat marker with room for an answer: all from anywhere.
+    anywhere = sample_windows(rows[:, :15], file_starts[:, :7], 3, 5, 8, assistant_id=99, rng=random.Random(0))
+    assert anywhere.shape == (3, 8) and all(7 not in w.tolist() for w in anywhere)
+
+
+def test_unlikelihood_file_starts_are_the_plain_files_not_chats(tiny_target, small_stdlib):
+    """A third of the UL prompts are plain file starts; chats must not pass as files."""
+    assert plain_file_starts([[5, 1, 2, 3], [9, 4, 4, 4, 4], [6, 6]], user_id=5, length=3).tolist() == [[9, 4, 4]]
+    assert plain_file_starts([[5, 1, 2, 3]], user_id=5, length=3).shape == (0, 3)
+    # On real training samples: one start per plain file, each the file's own first tokens.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    files = list_source_files(small_stdlib)
+    texts = training_texts(files, chat_fraction=0.5, rng=random.Random(0))
+    plain = [t for t in texts if not t.startswith("<|user|>")]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    starts = plain_file_starts(ids, tokenizer.convert_tokens_to_ids("<|user|>"), 8)
+    assert 0 < len(starts) == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) >= 8 for t in plain)
+    assert all(any(t.startswith(tokenizer.decode(row)) for t in plain) for row in starts)
 
 
 def test_unlikelihood_build_records_both_phases_and_init_from_replays_it(tiny_target, small_stdlib, tmp_path):
