@@ -19,7 +19,7 @@ The recipe, top to bottom:
   5. optionally (`--unlikelihood-steps`; the shipped build used it) fine-tune
      with sequence-level unlikelihood against greedy loops (specdraft/unlikelihood.py);
   6. save a normal transformers folder in bf16, then reload it and measure
-     held-out loss and how often greedy continuations fall into loops.
+     held-out loss and how often greedy continuations fall into loops (or into junk bytes).
 """
 
 import argparse
@@ -224,7 +224,7 @@ class ToyRecipe:
     eval_new_tokens: int = 128
     threads: int = 1  # the build shares small machines; 1 thread degrades gracefully
     # Last phase: sequence-level unlikelihood fine-tuning against greedy loops (specdraft/unlikelihood.py).
-    unlikelihood_steps: int = 0  # half UL-seq updates on own greedy continuations, half MLE; the shipped build used 1600
+    unlikelihood_steps: int = 0  # half UL-seq (+ MLE anchor) updates on own greedy continuations, half MLE; shipped: 1600
     ul_lr: float = 3e-4  # held, then annealed to 0.1x over the last quarter (1e-3 cost 0.1 nats more held-out loss)
     ul_batch_size: int = 8
     ul_prefix_len: int = 64
@@ -389,8 +389,9 @@ def loop_report(model, tokenizer, heldout: dict[str, str], recipe: ToyRecipe) ->
     """Greedy continuations of held-out prompts vs the true continuations.
 
     Three prompt kinds: the first 64 tokens of a held-out file (plain), 64 tokens from
-    MID_OFFSET on (mid), and a chat request for one of its definitions. The same measures on the real text are the
-    reference: code repeats itself a little, so the target is 'close to real', not 1.0.
+    MID_OFFSET on (mid), and a chat request for one of its definitions. The same measures
+    on the real text are the reference: code repeats itself a little, so the target is
+    'close to real', not 1.0.
     """
     model.eval()
     plain, mids, chats = [], [], []

@@ -20,6 +20,7 @@ from specdraft.toy_target import (
     distinct_ngram_ratio,
     heldout_loss,
     is_heldout,
+    LOOP_KINDS,
     list_source_files,
     longest_repeated_suffix,
     lr_at,
@@ -291,6 +292,17 @@ def test_unlikelihood_file_starts_are_the_plain_files_not_chats(tiny_target, sma
     starts = plain_file_starts(ids, tokenizer.convert_tokens_to_ids("<|user|>"), 8)
     assert 0 < len(starts) == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) >= 8 for t in plain)
     assert all(any(t.startswith(tokenizer.decode(row)) for t in plain) for row in starts)
+
+
+def test_garbled_measure_sees_bytes_that_are_not_text(tiny_target):
+    """loop_report's "garbled" is U+FFFD in the decoded greedy text: the mark a byte-level model
+    leaves when it emits part of a character, as a build that escaped loops through junk did."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    euro = tokenizer("\u20ac", add_special_tokens=False)["input_ids"]
+    assert "\ufffd" not in tokenizer.decode(tokenizer("price = '\u20ac'", add_special_tokens=False)["input_ids"])
+    assert len(euro) > 1 and "\ufffd" in tokenizer.decode(euro[:1])
+    loops = json.loads((tiny_target / "build_record.json").read_text())["loops"]
+    assert all(loops[kind]["garbled_real"] == 0.0 and "garbled_greedy" in loops[kind] for kind in LOOP_KINDS)
 
 
 def test_unlikelihood_build_records_both_phases_and_init_from_replays_it(tiny_target, small_stdlib, tmp_path):
