@@ -400,7 +400,8 @@ def loop_report(model, tokenizer, heldout: dict[str, str], recipe: ToyRecipe) ->
         if len(ids) >= 64 + recipe.eval_new_tokens:
             plain.append((ids[:64], ids[64 : 64 + recipe.eval_new_tokens]))
         if len(ids) >= MID_OFFSET + 64 + recipe.eval_new_tokens:
-            mids.append((ids[MID_OFFSET : MID_OFFSET + 64], ids[MID_OFFSET + 64 : MID_OFFSET + 64 + recipe.eval_new_tokens]))
+            mid = ids[MID_OFFSET:]
+            mids.append((mid[:64], mid[64 : 64 + recipe.eval_new_tokens]))
         for prompt, source in definition_prompts(rel, text)[:2]:
             messages = [{"role": "user", "content": prompt}]
             prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)

@@ -11,7 +11,8 @@ continuation already produced, and push their probability down with
 
 alternating these updates with ordinary MLE updates on the training data so the model
 keeps its likelihood (and, here, adding the MLE loss of each prompt's true continuation to
-its UL update; see unlikelihood_finetune). The toy target's last build phase runs this (`--unlikelihood-steps`).
+its UL update; see unlikelihood_finetune). The toy target's last build phase runs this
+(`--unlikelihood-steps`).
 """
 
 import random
@@ -100,7 +101,8 @@ def _recent_mean(values: list[float], window: int = 25) -> float:
     return sum(recent) / max(len(recent), 1)
 
 
-def unlikelihood_finetune(model, rows: torch.Tensor, file_starts: torch.Tensor, *, steps: int, lr: float, weight_decay: float, batch_size: int,
+def unlikelihood_finetune(model, rows: torch.Tensor, file_starts: torch.Tensor, *, steps: int, lr: float,
+                          weight_decay: float, batch_size: int,
                           prefix_len: int, new_tokens: int, ngram: int, eos_id: int, pad_id: int, assistant_id: int,
                           seed: int, log) -> dict:
     """Alternate UL-seq updates (even steps) with MLE updates on packed rows (odd steps), as
@@ -133,8 +135,9 @@ def unlikelihood_finetune(model, rows: torch.Tensor, file_starts: torch.Tensor, 
             num_valid = max(valid.sum().item(), 1)
             repeat_rates.append(penalize.sum().item() / num_valid)
             model.train()
+            own = torch.cat([prefixes, cont], 1)
             with torch.autocast(device_type, dtype=torch.bfloat16):  # own continuations and true ones in one forward
-                logits = model(input_ids=torch.cat([torch.cat([prefixes, cont], 1), windows])).logits[:, prefix_len - 1 : -1]
+                logits = model(input_ids=torch.cat([own, windows])).logits[:, prefix_len - 1 : -1]
             own_logits, true_logits = logits.chunk(2)
             ul = unlikelihood_loss(own_logits, cont, penalize, num_valid)
             anchor = torch.nn.functional.cross_entropy(true_logits.float().flatten(0, 1), truth.flatten())
