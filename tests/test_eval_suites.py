@@ -141,7 +141,12 @@ def test_evaluate_compares_methods_on_the_same_prompts(tmp_path, tiny_target):
     assert same["alpha_measured"] == 1.0 and same["alpha_predicted"] == 1.0
     assert same["position_acceptance"] == [1.0, 1.0, 1.0]
     assert same["acceptance_length"] == 4.0  # K + 1 tokens per target forward
-    assert methods["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    # Speedup is each method's tokens/s over plain decoding's on the same prompts, in every group.
+    for name, groups in methods.items():
+        for group, summary in [("overall", groups["overall"]), *groups["by_category"].items()]:
+            plain = methods["plain"]["by_category"][group] if group != "overall" else methods["plain"]["overall"]
+            assert summary["tokens_per_second"] == pytest.approx(summary["num_tokens"] / summary["seconds"])
+            assert summary["speedup"] == pytest.approx(summary["tokens_per_second"] / plain["tokens_per_second"])
     for key in ("json", "markdown", "acceptance_plot", "speedup_heatmap"):
         assert (tmp_path / "out").joinpath(result["files"][key].split("/")[-1]).is_file()
     saved = json.loads((tmp_path / "out" / "result.json").read_text())

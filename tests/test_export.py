@@ -22,24 +22,27 @@ from specdraft.drafters import FAMILIES
 from specdraft.errors import SpecdraftError
 from specdraft.export import _rope_fields, export, load_exported
 from specdraft.target import FrozenTarget
+from tiny import seeded_init_
 
 TINY = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
 
 
 def tiny_target(config_cls=LlamaConfig, taps=None, **overrides):
-    torch.manual_seed(0)
     config = config_cls(**{**TINY, **overrides})
     config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
-    return FrozenTarget.from_config(config, taps=taps, device="cpu")
+    target = FrozenTarget.from_config(config, taps=taps, device="cpu")
+    seeded_init_(target.model, seed=0, std=config.initializer_range)
+    return target
 
 
-def randomize(drafter):
-    """Every trained tensor distinct, so a dropped or swapped tensor changes the logits."""
-    torch.manual_seed(1)
+def randomize(drafter, seed=1):
+    """Every trained tensor distinct (norm weights too), so a dropped or swapped tensor changes the logits."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in drafter.parameters():
-            p.normal_(0.0, 0.2)
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    return drafter
 
 
 def make_run(tmp_path, drafter, target_path="org/tiny-target", k=4):
@@ -355,7 +358,7 @@ def test_eagle3_export_reads_back_to_identical_logits(e3, tmp_path, fmt):
     want = draft_logits(drafter, target, ids)
     assert torch.equal(draft_logits(loaded, target, ids), want)
     # a drafter that did not load the trained weights would differ
-    assert not torch.allclose(draft_logits(eagle3(target).apply(_reinit), target, ids), want)
+    assert not torch.allclose(draft_logits(randomize(eagle3(target), seed=2), target, ids), want)
 
 
 def test_edited_export_is_refused_on_read_back(e3, tmp_path):
@@ -437,7 +440,7 @@ def test_eagle1_export_reads_back_to_identical_logits(tmp_path, fmt, fc_bias):
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     want = draft_logits(drafter, target, ids)
     assert torch.equal(draft_logits(loaded, target, ids), want)
-    assert not torch.allclose(draft_logits(eagle1(target, fc_bias=fc_bias).apply(_reinit), target, ids), want)
+    assert not torch.allclose(draft_logits(randomize(eagle1(target, fc_bias=fc_bias), seed=2), target, ids), want)
 
 
 @pytest.mark.parametrize("config_cls,fmt", [(Qwen3Config, "sglang"), (Qwen3Config, "vllm"), (Qwen2Config, "vllm")])
@@ -529,11 +532,3 @@ def test_cli(e3, tmp_path, capsys):
     assert "--speculative-algorithm EAGLE3" in capsys.readouterr().out
     assert main(["export", str(e3[2]), "--format", "sglang", "--out", str(tmp_path / "out")]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-
-
-def _reinit(module):
-    """Fresh random weights (not the trained ones) for the 'would a non-loaded drafter differ' checks."""
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for p in module.parameters(recurse=False):
-            p.normal_(0.0, 0.2)

@@ -34,12 +34,15 @@ def test_quickstart_trains_evaluates_and_exports(tmp_path):
     assert len((tmp_path / "data" / "answers.jsonl").read_text().splitlines()) == 6
     assert len((tmp_path / "data" / "heldout_answers.jsonl").read_text().splitlines()) == 3
     final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert 0.0 <= final["eval/acc_0"] <= 1.0
+    assert "eval/acc_0" in final  # training's own eval ran on the held-out answers
 
     for temperature in ("0", "1"):
         result = json.loads((report / f"temperature-{temperature}" / "result.json").read_text())
         assert set(result["methods"]) >= {"eagle3", "prompt-lookup"}
         assert result["methods"]["eagle3"]["overall"]["num_decodes"] == 2
+    # Greedy speculative decoding is lossless: the quickstart's drafters emit the target's own tokens.
+    greedy = json.loads((report / "temperature-0" / "result.json").read_text())
+    assert greedy["greedy_identical"] == {"eagle3": 1.0, "prompt-lookup": 1.0}
     for fmt in ("sglang", "vllm", "hf"):
         assert (tmp_path / "export" / fmt / "model.safetensors").is_file()
         assert (tmp_path / "export" / fmt / "config.json").is_file()

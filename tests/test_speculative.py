@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from tiny import tiny_llama
+from tiny import seeded_init_, tiny_llama
 
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
@@ -107,8 +107,11 @@ def test_stops_at_eos_like_generate(target, target_model, sources):
     for name in ("identical", "noisy", "prompt_lookup"):
         out = speculative_decode(target, sources[name](), prompt, k=4, max_new_tokens=MAX_NEW, eos_token_ids=[eos])
         assert out.tokens == expected, name
-        # No step after the one that emitted the stop token (even as an accepted draft mid-step).
-        assert 1 + sum(s.num_accepted + 1 for s in out.steps) < len(expected) + 5, name
+        # No step after the one that emitted the stop token (even as an accepted draft mid-step):
+        # the prefill's token and every step but the last fall short of the stop token, the last
+        # step reaches it (emitting possibly more, which decoding then cuts).
+        emitted = [1] + [s.num_accepted + 1 for s in out.steps]
+        assert sum(emitted[:-1]) < len(expected) <= sum(emitted), (name, emitted)
     assert plain_decode(target, prompt, max_new_tokens=MAX_NEW, eos_token_ids=eos).tokens == expected
 
 
@@ -230,8 +233,8 @@ def test_drafter_families_plug_in(family):
 
     config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)  # fmt: skip
-    torch.manual_seed(0)
     target = FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")
+    seeded_init_(target.model, seed=0)
     fam = get_family(family)
     source = fam.build(target, fam.config_cls()).draft_source(target)
     for prompt in prompts(3):

@@ -116,3 +116,41 @@ def save_tiny_target(path: str | Path, vocab_size: int = 300, **overrides) -> Pa
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def seeded_init_(module: torch.nn.Module, seed: int, std: float = 0.02, keep: tuple[str, ...] = ()) -> torch.nn.Module:
+    """Redraw every parameter from a generator of its own, in name order, in place.
+
+    transformers' ``_init_weights`` changes between versions (what it draws, and in what order),
+    so a model built under ``torch.manual_seed`` is not the same model under another transformers.
+    Pinned values must not hang on that: norm weights are set to 1, everything else is drawn
+    N(0, std) here, which depends only on torch's generator. Parameters named in ``keep`` are
+    left as built (a drafter's head copied from the target's rows, say).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+            if not param.is_floating_point() or name in keep:
+                continue
+            if "norm" in name and param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return module
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5, what: str = ""):
+    """|actual - expected| <= rel * (the largest magnitude compared), everywhere.
+
+    float32 results computed with other shapes (a packed row against the document alone, a
+    batched forward against a single one) differ in their reductions' order: about 1e-7 relative
+    per operation, a few 1e-6 of the tensor's scale after a few layers. An elementwise rtol is
+    wrong for that, because a value near 0 carries the rounding of the large values it was summed
+    from; so the bound scales with the largest value. rel=1e-5 leaves a 3-10x margin over that
+    rounding, while a real bug (a leak across documents, a wrong position) moves values by O(1)
+    of the scale.
+    """
+    scale = max(actual.detach().abs().max().item(), expected.detach().abs().max().item(), 1e-30)
+    error = (actual.detach() - expected.detach()).abs().max().item()
+    assert error <= rel * scale, f"{what} max error {error:.3g} > {rel:g} x scale {scale:.3g}"
+    return error / scale
