@@ -32,12 +32,17 @@ def sglang_layer_ids(taps: list[int]) -> list[int]:
     return [t - 1 for t in taps]
 
 
-def resolve_target_path(path: str) -> str:
-    """``toy`` names the toy target shipped with specdraft (``specdraft toy-target``)."""
+def resolve_target_path(path: str, dtype: str = "float32") -> str:
+    """A folder or hub id for ``path``. ``toy`` names the toy target shipped with specdraft; a name in
+    ``NAMED_TARGETS`` (``smollm2-135m-instruct``) is converted once into a cached ``dtype`` folder."""
+    from .named_targets import NAMED_TARGETS, materialize
+
     if path == "toy":
         from .toy_target import toy_target_path
 
         return str(toy_target_path())
+    if path in NAMED_TARGETS:
+        return str(materialize(path, dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")))
     return path
 
 

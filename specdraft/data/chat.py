@@ -85,11 +85,24 @@ def assistant_mask_from_prefixes(messages: list[dict], tokenizer, template: str)
                 "assistant tokens cannot be found by rendering prefixes. Set data.chat_template to a template "
                 "with {% generation %}...{% endgeneration %} around each assistant answer."
             )
-        spans.append((len(before), len(through)))
+        spans.append((len(before), answer_end(through, len(before), tokenizer.eos_token)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     # A token is an answer token if it starts inside an answer span.
     mask = [int(any(start <= t < end for start, end in spans)) for t, _ in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), mask
+
+
+def answer_end(rendered: str, start: int, eos_token: str | None) -> int:
+    """Where an answer that starts at ``start`` and runs to the end of ``rendered`` really ends.
+
+    The target stops at its end-of-turn token, so white space a template writes after it (ChatML's
+    ``<|im_end|>\n``) is never generated and is no label: the answer ends right after that token.
+    """
+    end = len(rendered)
+    cut = rendered.rfind(eos_token, start) if eos_token else -1
+    if cut >= 0 and not rendered[cut + len(eos_token):].strip():
+        end = cut + len(eos_token)
+    return end
 
 
 def tokenize_text(text: str, tokenizer) -> tuple[list[int], list[int]]:
