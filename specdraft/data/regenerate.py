@@ -226,7 +226,8 @@ def regenerate(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model: local folder or hub id")
+    parser.add_argument("--target", required=True,
+                        help="target model: local folder, hub id, 'toy' or a named target (smollm2-135m-instruct)")
     parser.add_argument("--data", required=True, help="dialogues or prompts: .jsonl/.json/.parquet, folder or hub id")
     parser.add_argument("--out", required=True, help="output JSONL (appended to; an existing file is resumed)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -244,14 +245,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..target import resolve_dtype
+    from ..target import resolve_dtype, resolve_target_path
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    path = resolve_target_path(args.target, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.target, trust_remote_code=args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            args.target, dtype=resolve_dtype(dtype), trust_remote_code=args.trust_remote_code
+            path, dtype=resolve_dtype(dtype), trust_remote_code=args.trust_remote_code
         ).to(device)
     except (OSError, ValueError) as e:
         raise SpecdraftError(

@@ -2,7 +2,8 @@
 
 ``result`` is what ``specdraft.evaluation.run.evaluate`` returns:
   {"config": {...}, "methods": {name: {"overall": summary, "by_suite": {..}, "by_category": {..}}},
-   "greedy_identical": {name: fraction of decodes identical to plain decoding} (greedy runs only)}
+   "greedy_identical": {name: fraction of decodes identical to plain decoding} (greedy runs only),
+   "greedy_mismatches": {name: [where each differing decode left plain decoding, and why]} (greedy only)}
 with each summary from ``specdraft.evaluation.metrics.summarize``.
 """
 
@@ -165,6 +166,26 @@ def _footnotes(result: dict) -> list[str]:
     if identical:
         notes.append("greedy outputs identical to plain decoding: "
                      + ", ".join(f"{m} {v:.0%}" for m, v in identical.items()))  # fmt: skip
+    for method, found in result.get("greedy_mismatches", {}).items():
+        notes.extend(_mismatch_notes(method, found))
+    return notes
+
+
+def _mismatch_notes(method: str, found: list[dict]) -> list[str]:
+    """One line per method with mismatches, and one per defect: where, and the top-2 gaps."""
+    if not found:
+        return []
+    counts = {}
+    for m in found:
+        counts[m["verdict"]] = counts.get(m["verdict"], 0) + 1
+    notes = [f"{method}: {len(found)} greedy decode(s) differ from plain decoding ("
+             + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()) + "); rounding = the target's "
+             "top-2 logits were within its dtype's rounding there (see specdraft/evaluation/mismatch.py)"]
+    for m in found:
+        if m["verdict"] == "defect":
+            detail = (f"top-2 gap {m['one_token']['gap']:.3g} (1-token forward) / {m['verify']['gap']:.3g} (verify "
+                      f"forward) > rounding bound {m['rounding_bound']:.3g} ({m['dtype']})") if "one_token" in m else m["why"]
+            notes.append(f"DEFECT: {method} on {m['prompt']} differs at token {m['position']}: {detail}")
     return notes
 
 

@@ -21,7 +21,7 @@ from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_
 from specdraft.decoding.speculative import DecodeOutput, plain_decode, speculative_decode
 from specdraft.drafters.base import DraftSource
 from specdraft.errors import SpecdraftError
-from specdraft.evaluation import report
+from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 
@@ -77,6 +77,7 @@ def evaluate(
 
     # records[method] = [(prompt, output), ...]; every method sees the same prompts and seeds.
     records: dict[str, list[tuple[Prompt, DecodeOutput]]] = {name: [] for name in methods}
+    contexts: dict[str, list[list[int]]] = {name: [] for name in methods}  # each decode's prompt ids
     bar = tqdm(total=sum(len(p.turns) for p in prompts) * len(methods), desc="eval", unit="decode",
                disable=not show_progress)  # fmt: skip
     for index, prompt in enumerate(prompts):
@@ -89,6 +90,7 @@ def evaluate(
                 except SpecdraftError as e:  # e.g. a later turn outgrew the context: say which
                     raise SpecdraftError(f"{name} on {prompt.suite}/{prompt.id}, turn {turn + 1}: {e}") from e
                 records[name].append((prompt, out))
+                contexts[name].append(ids)
                 # Multi-turn: this method's own answer is the context of the next turn.
                 answers.append(tokenizer.decode([t for t in out.tokens if t not in stop_ids], skip_special_tokens=True))
                 bar.update(1)
@@ -102,11 +104,28 @@ def evaluate(
             name: sum(out.tokens == ref for (_, out), ref in zip(records[name], plain_tokens)) / len(plain_tokens)
             for name in methods if name != PLAIN
         }  # fmt: skip
+        result["greedy_mismatches"] = {name: _mismatches(target, contexts, records, name, k)
+                                       for name in methods if name != PLAIN}  # fmt: skip
     if out_dir is not None:
         result["files"] = {key: str(path) for key, path in report.write_report(result, out_dir).items()}
     if wandb_run is not None:
         report.log_wandb(result, wandb_run)
     return result
+
+
+def _mismatches(target, contexts, records, name, k) -> list[dict]:
+    """Each decode of ``name`` that left plain decoding's tokens, explained (``mismatch.explain``).
+    A later turn whose context already differs (the method's own earlier answer) is only listed."""
+    found = []
+    for index, ((prompt, out), (_, ref)) in enumerate(zip(records[name], records[PLAIN])):
+        if out.tokens == ref.tokens:
+            continue
+        where = {"prompt": f"{prompt.suite}/{prompt.id}", "category": prompt.category}
+        if contexts[name][index] != contexts[PLAIN][index]:
+            found.append({**where, "verdict": "follows an earlier mismatch"})
+        else:
+            found.append({**where, **mismatch.explain(target, contexts[PLAIN][index], ref.tokens, out.tokens, k)})
+    return found
 
 
 def _summaries(records, plain_records, k) -> dict:
@@ -206,7 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, metavar="DIR", help="write result.json, report.md and PNG plots here")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="default: bfloat16 on CUDA; float32 on CPU, where bf16 is no faster and its "
+                             "rounding flips greedy near-ties between verify and plain forwards")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lenience", type=float, default=1.0,
@@ -233,8 +254,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")
     target = FrozenTarget.from_pretrained(
-        resolve_target_path(args.target), dtype=args.dtype, taps=_drafter_taps(args.drafter),
+        resolve_target_path(args.target, args.dtype), dtype=args.dtype, taps=_drafter_taps(args.drafter),
         trust_remote_code=args.trust_remote_code, device=device,
     )  # fmt: skip
 
