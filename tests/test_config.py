@@ -100,6 +100,10 @@ REAL_TARGETS = {
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "smollm2-135m-instruct": ("llama", dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True)),
 }
 
 
