@@ -53,6 +53,8 @@ def test_predicted_speedup_formula():
     assert metrics.predicted_speedup(1.0, 4, 0.0) == 5.0
     assert metrics.predicted_speedup(0.0, 3, 0.0) == 1.0
     assert metrics.predicted_speedup(0.0, 3, 0.5) == pytest.approx(1 / 2.5)
+    # a verify forward costing 2 plain steps halves it
+    assert metrics.predicted_speedup(0.8, 4, 0.1, verify_cost=2.0) == pytest.approx(2.40114 / 2, abs=1e-5)
 
 
 def test_recommended_k_is_the_argmax():
@@ -77,6 +79,9 @@ def test_summarize_speedup_against_plain():
     assert summary["alpha_measured"] == 0.75 and summary["draft_cost_ratio"] == pytest.approx(0.1)
     assert summary["predicted_speedup"] == pytest.approx(metrics.predicted_speedup(0.75, 4, 0.1))
     assert summary["recommended_k"] == metrics.recommended_k(0.75, 0.1)
+    # verify cost: 1.0 s per verify forward (3 s / 3 steps) over 0.5 s per plain token (5 s / 10 tokens)
+    assert summary["verify_cost"] == pytest.approx(2.0)
+    assert summary["predicted_speedup_measured_verify"] == pytest.approx(summary["predicted_speedup"] / 2.0)
     plain_summary = metrics.summarize(plain, 4, plain)
     assert plain_summary["speedup"] == 1.0 and plain_summary["alpha_measured"] is None
     assert plain_summary["acceptance_length"] == 1.0

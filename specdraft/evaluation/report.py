@@ -26,6 +26,8 @@ COLUMNS = [
     ("tok/s", "tokens_per_second", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("pred speedup", "predicted_speedup", "{:.2f}x"),
+    ("verify cost", "verify_cost", "{:.2f}"),
+    ("pred @ verify cost", "predicted_speedup_measured_verify", "{:.2f}x"),
     ("best K", "recommended_k", "{:d}"),
     ("pred @ best K", "predicted_speedup_at_recommended_k", "{:.2f}x"),
 ]
@@ -114,9 +116,16 @@ def plot_speedup_heatmap(result: dict, path: Path) -> None:
         image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis",
                           extent=(0, 1, ks[0] - 0.5, ks[-1] + 0.5))  # fmt: skip
         ax.contour([a + 0.01 for a in alphas], ks, grid, levels=[1.0], colors="white", linewidths=1)
+        v = summary.get("verify_cost")
+        if v:  # break-even once a verify forward costs v plain steps, as measured (a CPU: v > 1)
+            ax.contour([a + 0.01 for a in alphas], ks, [[x / v for x in row] for row in grid], levels=[1.0],
+                       colors="red", linewidths=1, linestyles="dashed")
         ax.plot(summary["alpha_measured"], k, marker="*", markersize=16, color="red", label=f"measured (K={k})")
         ax.plot(summary["alpha_measured"], summary["recommended_k"], marker="o", color="orange", label="best K")
-        ax.set(xlabel="alpha", ylabel="K", title=f"{method}: predicted speedup (c={c:.3f}; white = 1x)")
+        title = f"{method}: predicted speedup\nc={c:.3f}; white: 1x"
+        title += f"; red dashed: 1x at verify cost {v:.2f}" if v else ""
+        ax.set(xlabel="alpha", ylabel="K")
+        ax.set_title(title, fontsize=9)
         ax.legend(loc="upper left", fontsize=8)
         fig.colorbar(image, ax=ax)
     if not measured:
@@ -157,7 +166,9 @@ def _footnotes(result: dict) -> list[str]:
     notes = [
         "tau = tokens per target forward (bonus included); alpha = accepted / tested drafts; alpha pred = mean "
         "sum_x min(p, q); c = draft time per token / target time per forward; speedup = tok/s over plain decoding "
-        "in the same run; pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c))."
+        "in the same run; pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), which assumes a verify "
+        "forward costs one plain step; verify cost v = seconds per verify forward / seconds per plain token, "
+        "measured; pred @ verify cost = pred speedup / v."
     ]
     cfg = result["config"]
     if cfg.get("lenience", 1.0) < 1.0 or cfg.get("typical_acceptance"):
