@@ -1,0 +1,316 @@
+"""Benchmark: every registered drafter family on one target, the same data and the same eval.
+
+    python eval/bench_families.py --target smollm2-135m-instruct --train-jobs 2      # the headline table
+    python eval/bench_families.py --target toy --num-train-prompts 64 --steps 20      # minutes, the toy
+
+  1. data      training prompts (--train-prompts; ../shared/data/train_prompts.jsonl when present, else
+               prompts built from the standard library, and it says so); the target answers them
+               itself (batched `regenerate`, prompts/s printed), and answers a disjoint held-out slice:
+               the training runs' eval set. Cached: a rerun with the same inputs reuses them.
+  2. train     each family through `specdraft.train.train` with recipes/<target>-<family>.yaml, same
+               answers, same step budget, one CPU thread per job (--train-jobs 2 runs two side by
+               side); wall clock, tokens seen, trainable parameters and peak memory are recorded. A
+               rerun reuses a drafter whose recipe, overrides and data are unchanged.
+  3. evaluate  one `evaluate(...)` per temperature (0 and 1): every drafter, prompt lookup and plain
+               decoding of the same target (float32) on --eval-prompts (Spec-Bench's questions from
+               ../shared, --per-category of each category), chain K=5; tau, per-position
+               acceptance, alpha, c, the measured verify cost, tokens/s and speedups, per category.
+  4. exports   each drafter in each format it supports, read back: do its draft probabilities match?
+
+Writes WORK/results.json, WORK/report.md, WORK/tau_by_category.png and the eval reports per
+temperature (with acceptance-by-position plots), and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import random
+import resource
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from bench_eagle import eval_history, markdown_table
+from specdraft.decoding.sampling import SamplingParams
+from specdraft.decoding.sources import PromptLookupSource
+from specdraft.drafters import FAMILIES, load_drafter
+from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
+from specdraft.quickstart import RECIPES_DIR, heldout_prompt_sets, toy_prompts, write_jsonl
+from specdraft.target import FrozenTarget, resolve_target_path
+
+K = 5
+TEMPERATURES = (0.0, 1.0)
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"  # beside the checkout; never copied into it
+RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m", "toy": "toy"}
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# -- 1. data ----------------------------------------------------------------------------------------
+
+
+def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt], str]:
+    """(training prompts, held-out prompts answered for training's eval, eval prompts, where they came from)."""
+    train_file = Path(args.train_prompts) if args.train_prompts else SHARED / "train_prompts.jsonl"
+    eval_file = Path(args.eval_prompts) if args.eval_prompts else SHARED / "spec_bench_questions.jsonl"
+    if train_file.is_file() and eval_file.is_file():
+        # split("\n"), not splitlines(): a prompt may hold U+2028, which splitlines() breaks on.
+        records = [json.loads(line) for line in train_file.read_text(encoding="utf-8").split("\n") if line.strip()]
+        wanted = args.num_train_prompts + args.heldout_answers
+        if len(records) < wanted:
+            sys.exit(f"{train_file} has {len(records)} prompts; --num-train-prompts + --heldout-answers = {wanted}")
+        random.Random(0).shuffle(records)  # the file is grouped by source: a prefix would be all one kind
+        # The held-out slice comes from the end, the training slice from the start: disjoint.
+        train, heldout = records[: args.num_train_prompts], records[len(records) - args.heldout_answers :]
+        per_category: dict[str, list[Prompt]] = {}
+        for prompt in load_suite(eval_file):
+            per_category.setdefault(prompt.category, []).append(prompt)
+        evals = [p for group in per_category.values() for p in group[: args.per_category]]
+        return train, heldout, evals, f"{train_file} / {eval_file}"
+    print(f"{train_file} or {eval_file} is missing: falling back to prompts built from the standard library "
+          "(the toy target's own prompt source), which say little about a chat model")
+    evals, heldout = heldout_prompt_sets(args.per_category * 4, args.heldout_answers)
+    prompts = [Prompt(str(p["question_id"]), "stdlib", p["category"], "question", p["turns"]) for p in evals]
+    return toy_prompts("train", args.num_train_prompts), heldout, prompts, "the standard library (fallback)"
+
+
+def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int) -> tuple[Path, dict]:
+    """The target's own greedy answers, cached under a stamp of everything they depend on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.data.regenerate import regenerate
+
+    answers = work / "data" / f"{name}.jsonl"
+    stamp = {"target": str(target_dir.resolve()), "weights": (target_dir / "model.safetensors").stat().st_mtime,
+             "prompts": digest(prompts), "max_new_tokens": max_new_tokens}
+    stamp_file = answers.with_suffix(".stamp.json")
+    answers.parent.mkdir(parents=True, exist_ok=True)
+    saved = json.loads(stamp_file.read_text()) if stamp_file.is_file() else {}
+    if {key: saved.get(key) for key in stamp} != stamp:
+        answers.unlink(missing_ok=True)  # regenerate appends and resumes: never mix two targets' answers
+        stamp_file.write_text(json.dumps(stamp))  # written first, so a killed run resumes its own answers
+    elif answers.is_file() and len(answers.read_text().split("\n")) - 1 == len(prompts):
+        print(f"reusing {answers} ({len(prompts)} answers)")
+        return answers, {**json.loads(stamp_file.read_text()).get("record", {}), "reused": True}
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16 if torch.cuda.is_available()
+                                                 else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    started = time.perf_counter()
+    written = regenerate(model, tokenizer, write_jsonl(work / "data" / f"{name}.prompts.jsonl", prompts), answers,
+                         max_new_tokens=max_new_tokens, batch_size=16)
+    seconds = time.perf_counter() - started
+    print(f"the target answered {written} prompts in {seconds:.0f} s ({written / seconds:.2f} prompts/s) -> {answers}")
+    record = {"prompts": len(prompts), "answered_in_last_run": written, "seconds": round(seconds, 1),
+              "prompts_per_second": round(written / seconds, 3)}
+    stamp_file.write_text(json.dumps({**stamp, "record": record}))
+    return answers, record
+
+
+# -- 2. train ---------------------------------------------------------------------------------------
+
+
+def train_family(family: str, recipe_path: Path, overrides: list[str], run_dir: Path, data_digest: str) -> dict:
+    """One drafter, in this (fresh) process: its own peak memory is this process's."""
+    from specdraft.config import load_recipe
+    from specdraft.train import train
+
+    torch.set_num_threads(1)
+    record_file = run_dir / "bench_record.json"
+    stamp = digest([recipe_path.read_text(), overrides, data_digest])  # the answers' content, not just their path
+    if record_file.is_file() and json.loads(record_file.read_text()).get("stamp") == stamp:
+        return {**json.loads(record_file.read_text()), "reused": True}
+    recipe = load_recipe(recipe_path, overrides)
+    started = time.perf_counter()
+    train(recipe, overwrite=True, show_progress=False)
+    seconds = time.perf_counter() - started
+    drafter_dir = run_dir / "drafter"
+    state = json.loads(max((run_dir / "checkpoints").glob("step-*/trainer_state.json")).read_text())
+    final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    record = {"family": family, "stamp": stamp, "drafter": str(drafter_dir), "seconds": seconds,
+              "steps": recipe.training.max_steps, "tokens": state["run"]["tokens"],
+              "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+              "final_metrics": {k: v for k, v in final.items() if k.startswith("eval/")}}
+    record_file.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def recipe_for(prefix: str, family: str) -> Path | None:
+    """recipes/<prefix>-<family>.yaml (the toy's are spelled toy_<family>.yaml)."""
+    found = [RECIPES_DIR / f"{prefix}{sep}{family}.yaml" for sep in "-_"]
+    return next((path for path in found if path.is_file()), None)
+
+
+def train_all(families, recipe_prefix: str, overrides: list[str], work: Path, jobs: int, data: list[Path]) -> dict:
+    """Each family in a fresh 1-thread process (max_tasks_per_child=1), `jobs` at a time."""
+    data_digest = digest([hashlib.sha256(path.read_bytes()).hexdigest() for path in data])
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        futures = {}
+        for family in families:
+            run_dir = work / "runs" / family
+            recipe = recipe_for(recipe_prefix, family)
+            if recipe is None:
+                sys.exit(f"no recipe {recipe} for family {family}: add one (see recipes/{recipe_prefix}-eagle3.yaml)")
+            futures[family] = pool.submit(train_family, family, recipe,
+                                          overrides + [f"checkpoint.output_dir={run_dir}"], run_dir, data_digest)
+        print(f"training {', '.join(families)}, {jobs} at a time, one thread each (no progress bars; minutes)")
+        return {family: future.result() for family, future in futures.items()}
+
+
+# -- 3. evaluate and 4. exports ---------------------------------------------------------------------
+
+
+def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) -> dict:
+    """Each format the family exports to, read back: are its first draft's probabilities the trained ones?"""
+    from specdraft.export import FORMATS, export, load_exported
+
+    prompt = torch.tensor([[1] + list(range(100, 116))])
+    greedy = SamplingParams(temperature=0.0)
+
+    def first_draft_probs(model):
+        source = model.draft_source(target)
+        source.start(prompt[:, :-1], target(prompt[:, :-1]))
+        proposal = source.propose(prompt[:, -1:], K, greedy, None)
+        return proposal.tokens, proposal.probs
+
+    want_tokens, want_probs = first_draft_probs(drafter)
+    results = {}
+    for fmt in FORMATS:
+        try:
+            out = export(run_dir, fmt, work / "exports" / family / fmt, overwrite=True)
+            tokens, probs = first_draft_probs(load_exported(out, target).eval())
+        except Exception as e:  # a format the family has no exporter for, or a broken one: report, go on
+            results[fmt] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            continue
+        same = torch.equal(tokens, want_tokens) and (probs is None or torch.allclose(probs, want_probs))
+        results[fmt] = "identical" if same else "DIFFERENT"
+    return results
+
+
+def plot_tau_by_category(results: dict, path: Path) -> None:
+    """Grouped bars: tau of each method in each category, one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 3.5 * len(results)), squeeze=False)
+    for ax, (temperature, result) in zip(axes[:, 0], results.items()):
+        methods = [m for m in result["methods"] if m != "plain"]
+        categories = list(next(iter(result["methods"].values()))["by_category"])
+        width = 0.8 / max(1, len(methods))
+        for i, method in enumerate(methods):
+            taus = [result["methods"][method]["by_category"][c]["acceptance_length"] for c in categories]
+            ax.bar([x + i * width for x in range(len(categories))], taus, width, label=method)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
+        ax.set(ylabel="tau (tokens per target forward)", title=f"temperature {temperature:g}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def category_table(result: dict) -> str:
+    methods = [m for m in result["methods"] if m != "plain"]
+    lines = ["| category | " + " | ".join(f"{m} tau" for m in methods) + " |", "|---" + "|---:" * len(methods) + "|"]
+    for category in next(iter(result["methods"].values()))["by_category"]:
+        taus = [result["methods"][m]["by_category"][category]["acceptance_length"] for m in methods]
+        lines.append(f"| {category} | " + " | ".join(f"{t:.2f}" for t in taus) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="a named target, 'toy', or a folder")
+    parser.add_argument("--recipe-prefix", default=None,
+                        help="recipes/<prefix>-<family>.yaml (default: from --target, e.g. smollm2-135m)")
+    parser.add_argument("--families", nargs="+", default=None, help="default: every registered family with a recipe")
+    parser.add_argument("--work", default="bench-families", help="data, runs, exports and reports go here")
+    parser.add_argument("--train-prompts", default=None, help=f"default: {SHARED / 'train_prompts.jsonl'}")
+    parser.add_argument("--eval-prompts", default=None, help=f"default: {SHARED / 'spec_bench_questions.jsonl'}")
+    parser.add_argument("--num-train-prompts", type=int, default=1200)
+    parser.add_argument("--heldout-answers", type=int, default=48, help="answers the training runs evaluate on")
+    parser.add_argument("--answer-tokens", type=int, default=256, help="max new tokens per regenerated answer")
+    parser.add_argument("--per-category", type=int, default=3, help="eval prompts per category")
+    parser.add_argument("--steps", type=int, default=None, help="every family's step budget (default: its recipe's)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the answers and the eval")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    work = Path(args.work)
+    target_dir = Path(resolve_target_path(args.target, "float32"))
+    prefix = args.recipe_prefix or RECIPE_PREFIX.get(args.target, target_dir.name)
+    families = args.families or [f for f in FAMILIES if recipe_for(prefix, f)]
+    train, heldout, eval_prompts, source = prompt_sets(args)
+    print(f"prompts: {len(train)} to train on, {len(heldout)} held out for training's eval, {len(eval_prompts)} to "
+          f"decode, from {source}")
+    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens)
+    heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens)
+    overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
+                 "eval.enabled=false"] + ([f"training.max_steps={args.steps}"] if args.steps else [])
+    trained = train_all(families, prefix, overrides, work, args.train_jobs, [answers, heldout_answers])
+
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32", taps="eagle3")
+    fits = [p for p in eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens
+            < target.config.max_position_embeddings]  # two turns' answers must fit too
+    if len(fits) < len(eval_prompts):
+        print(f"leaving out {len(eval_prompts) - len(fits)} eval prompts longer than the target's context")
+    eval_prompts = fits
+    drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
+    for family, drafter in drafters.items():
+        trained[family]["trainable_parameters"] = sum(p.numel() for p in drafter.trainable_parameters())
+        trained[family]["exports"] = export_round_trips(family, Path(trained[family]["drafter"]).parent, target,
+                                                        drafter, work)
+    results = {}
+    for temperature in TEMPERATURES:
+        sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
+        sources["prompt-lookup"] = PromptLookupSource()
+        results[temperature] = evaluate(target, sources, eval_prompts, SamplingParams(temperature=temperature), k=K,
+                                        max_new_tokens=args.max_new_tokens,
+                                        out_dir=work / "eval" / f"temperature-{temperature:g}")
+    plot_tau_by_category(results, work / "tau_by_category.png")
+
+    lines = [f"## Drafter families on {args.target} ({len(eval_prompts)} prompts from {source}, K={K}, "
+             f"max {args.max_new_tokens} new tokens, float32, {args.threads} thread(s))", "",
+             f"`python {' '.join(sys.argv)}`", ""]
+    for temperature, result in results.items():
+        lines += [f"### temperature {temperature:g}", "", markdown_table(result), ""]
+        lines += ["verify cost (a K+1-token forward / a plain step) and the speedup predicted with it: " + ", ".join(
+            f"{m} {s['overall']['verify_cost']:.2f} -> {s['overall']['predicted_speedup_measured_verify']:.2f}x"
+            for m, s in result["methods"].items() if s["overall"]["verify_cost"] is not None), ""]
+        if "greedy_identical" in result:
+            lines += ["greedy output identical to plain decoding: " + ", ".join(
+                f"{m} {v:.0%}" for m, v in result["greedy_identical"].items()), ""]
+        lines += [category_table(result), ""]
+    lines += ["### training (same answers for every family)", "",
+              f"answers: {answer_record}", "",
+              "| family | steps | tokens seen | minutes | trainable params | peak RSS GiB | exports |",
+              "|---|---:|---:|---:|---:|---:|---|"]
+    for family, run in trained.items():
+        exports = ", ".join(f"{fmt} {verdict}" for fmt, verdict in run["exports"].items())
+        lines.append(f"| {family} | {run['steps']} | {run['tokens']} | {run['seconds'] / 60:.1f} | "
+                     f"{run['trainable_parameters'] / 1e6:.2f}M | {run['peak_rss_gib']:.2f} | {exports} |")
+    lines += [""] + [f"- {family} during training (step: acc_0 / sim_accept_len): "
+                     f"{eval_history(Path(run['drafter']).parent)}" for family, run in trained.items()]
+    markdown = "\n".join(lines)
+    (work / "report.md").write_text(markdown + "\n")
+    (work / "results.json").write_text(json.dumps({"args": vars(args), "training": trained,
+                                                   "eval": {str(t): r for t, r in results.items()}}, indent=1))
+    print("\n" + markdown)
+    print(f"\nwrote {work / 'report.md'}, {work / 'results.json'}, {work / 'tau_by_category.png'}")
+
+
+if __name__ == "__main__":
+    main()
