@@ -5,18 +5,34 @@
 Formats, per drafter family (``EXPORTERS``, a plain dict keyed by (family, format)):
   hf      specdraft's own folder, copied: what ``specdraft eval`` and the decoder load
   sglang  EAGLE-3 as LlamaForCausalLMEagle3; EAGLE-1 in the EAGLE reference layout, as SGLang's
-          LlamaForCausalLMEagle (Qwen2ForCausalLMEagle for Qwen2 targets) loads it
-  vllm    EAGLE-3 in the speculators format (Eagle3Speculator); EAGLE-1 in the reference layout
-          with a Llama config, which vLLM's EAGLEConfig turns into EagleLlamaForCausalLM
+          LlamaForCausalLMEagle (Qwen2ForCausalLMEagle for Qwen2 targets) loads it. The EAGLE
+          reference repo's EaModel (SafeAILab/EAGLE eagle/model/ea_model.py) reads the same folders.
+  vllm    EAGLE-3 in the speculators format (Eagle3Speculator), which vLLM and the speculators
+          library load; EAGLE-1 in the reference layout with a Llama config, which vLLM's
+          EAGLEConfig turns into EagleLlamaForCausalLM
 
 An export is config.json + model.safetensors; sglang and vllm exports also carry specdraft.json
 (the drafter they came from, so ``load_exported`` can read them back; engines ignore it). Each is
 written to a temporary folder, then renamed into place.
 
+EAGLE-3 engine exports ship the target's token embedding (``embed_tokens.weight``, read from the
+target's safetensors, in the export dtype). vLLM and SGLang share the target's own embedding
+anyway, but EaModel (EAGLE-3 configs with ``target_hidden_size``) and speculators (under
+transformers 5) would otherwise run the draft on an embedding nobody loaded. Every consumer of
+the EAGLE-1 layouts reads the target's embedding itself, so those ship none. Each exporter's
+docstring gives the reasons per consumer. The target is the run recipe's ``target.path``, with
+specdraft's shortcuts (``toy``, named targets) resolved to the folder training actually loaded
+(``specdraft.target.resolve_target_path``), or ``--target``.
+
 Every config field an engine reads is written out, never left to a default: the engines disagree
 (vLLM reads a missing ``norm_before_residual`` in a speculators config as true, speculators itself
-as false; ``bias: true`` gives vLLM's and SGLang's Llama layers attention biases). Each exporter's
+as false; ``bias: true`` gives vLLM's and SGLang's Llama layers attention biases). The one
+exception is a key two consumers of one format read with different meanings (``bias`` in the
+EAGLE-1 sglang export): it is left out, so that each consumer's default applies. Each exporter's
 docstring names the loader files its fields and tensor names were checked against.
+
+A full-size EAGLE-3 draft vocabulary ships no ``d2t``/``t2d``: vLLM builds no vocabulary map then
+and refuses the tensors, and every other consumer reads the absence as the identity.
 
 Layer ids: our tap i is the *input* of target layer i (vLLM's convention); SGLang names the layer
 whose *output* it captures, so SGLang id = tap - 1. Both engines capture ``hidden + residual``
@@ -33,28 +49,122 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_folder
 from .checkpoint import find_drafter_dir
 from .errors import SpecdraftError
-from .target import sglang_layer_ids
+from .target import resolve_target_path, sglang_layer_ids
 
 FORMATS = ("hf", "sglang", "vllm")
 SIDE_FILE = "specdraft.json"  # where an engine export came from; engines never read it
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema the vLLM export follows
+EMBED = "embed_tokens.weight"  # the target's token embedding, as EAGLE-3 engine exports ship it
+TARGET_EMBED = "model.embed_tokens.weight"  # its name in the target's own checkpoint
+SHIPS_EMBEDDING = {("eagle3", "sglang"), ("eagle3", "vllm")}  # (family, format): see the exporters' docstrings
 
 
 @dataclass
 class ExportOptions:
-    verifier: str | None = None  # the target's hub id or path, named in vLLM's speculators config
+    # The target: a folder or hub id an engine can open. Named in vLLM's speculators config, and the
+    # checkpoint the shipped embedding is read from.
+    verifier: str | None = None
     num_speculative_tokens: int = 3  # the speculators proposal length: vLLM's default num_speculative_tokens
+
+
+# -- the target's side: its name and its embedding ------------------------------------------------
+
+
+def name_target(name: str | None) -> str | None:
+    """The folder or hub id an engine opens for the target ``name``.
+
+    specdraft's shortcuts (``toy``, named targets) become the folder training loaded, through the
+    same ``resolve_target_path`` call as ``train``; an existing folder becomes an absolute path, so
+    the export names it from any working directory; anything else is a hub id, kept as given.
+    """
+    if not name:
+        return None
+    resolved = resolve_target_path(str(name))
+    return str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
+
+
+def _target_file(target: str, filename: str) -> Path | None:
+    """``filename`` of the target: from its folder, else through the hub cache; None if it has none."""
+    if Path(target).is_dir():
+        path = Path(target) / filename
+        return path if path.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(target, filename))
+    except EntryNotFoundError:  # not in the repo, or offline and not cached
+        return None
+    except Exception as e:  # not a valid hub id, unreachable, gated: the user's to fix
+        raise SpecdraftError(
+            f"the target {target!r} is neither a local folder nor a hub model that can be read "
+            f"({type(e).__name__}: {e}). Pass --target with the target's folder or hub id."
+        ) from e
+
+
+def read_target_embedding(target: str) -> torch.Tensor:
+    """The target's ``model.embed_tokens.weight`` alone, as stored, without loading the model.
+
+    A sharded checkpoint's ``model.safetensors.index.json`` names the shard that holds it; else it is
+    in ``model.safetensors``. Only that tensor is read (safetensors reads by offset).
+    """
+    index = _target_file(target, "model.safetensors.index.json")
+    if index is not None:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        if TARGET_EMBED not in weight_map:
+            raise SpecdraftError(
+                f"{index} maps no {TARGET_EMBED}: the export needs the target's token embedding under that name "
+                "(a Llama/Qwen-style checkpoint). Export --format hf instead."
+            )
+        shard = weight_map[TARGET_EMBED]
+        file = _target_file(target, shard)
+    else:
+        shard, file = "model.safetensors", _target_file(target, "model.safetensors")
+    if file is None:
+        raise SpecdraftError(
+            f"the target {target!r} has no {shard} (or it could not be fetched): the export ships the target's "
+            "token embedding and reads it from the target's safetensors. Pass --target with the folder or hub id "
+            "of the target this drafter was trained on."
+        )
+    with safe_open(str(file), framework="pt") as f:
+        if TARGET_EMBED not in f.keys():
+            raise SpecdraftError(f"{file} holds no {TARGET_EMBED}; pass --target with the target's own checkpoint")
+        return f.get_tensor(TARGET_EMBED)
+
+
+def _export_dtype(saved: dict, tensors: dict) -> str:
+    """The dtype the engines run the draft in: the target's, else that of the trained weights."""
+    tc = saved["target_config"]
+    return tc.get("dtype") or tc.get("torch_dtype") or str(tensors["fc.weight"].dtype).removeprefix("torch.")
+
+
+def _target_embedding(saved: dict, tensors: dict, target: str) -> torch.Tensor:
+    """The embedding an EAGLE-3 engine export ships: the target's, checked against the drafter's target,
+    in the export dtype."""
+    tc = saved["target_config"]
+    embed = read_target_embedding(target)
+    want = (tc["vocab_size"], tc["hidden_size"])
+    if tuple(embed.shape) != want:
+        raise SpecdraftError(
+            f"the target {target!r} has a {tuple(embed.shape)} token embedding, but this drafter was trained on a "
+            f"target with vocab_size x hidden_size {want}. Pass --target with the target the drafter was trained on."
+        )
+    dtype = getattr(torch, _export_dtype(saved, tensors), None)
+    if not isinstance(dtype, torch.dtype):
+        raise SpecdraftError(f"the target's config names dtype {_export_dtype(saved, tensors)!r}, not a torch dtype")
+    return embed.to(dtype)
 
 
 # -- what both EAGLE exports share ---------------------------------------------------------------
 
 EAGLE3_TENSORS = {
-    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    EMBED, "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
     *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
     *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
@@ -83,8 +193,7 @@ def _layer_fields(saved: dict, tensors: dict, model_type: str, vocab_size: int) 
             "draft layer runs as) support only silu. Export --format hf instead."
         )
     heads = tc["num_attention_heads"]
-    # The engines run the draft in this dtype: the target's, else that of the trained weights.
-    dtype = tc.get("dtype") or tc.get("torch_dtype") or str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    dtype = _export_dtype(saved, tensors)
     return {
         "model_type": model_type,
         "hidden_size": tc["hidden_size"],
@@ -126,65 +235,118 @@ def _check_tensor_names(have: set, want: set, engine: str) -> None:
 # -- EAGLE-3 -------------------------------------------------------------------------------------
 
 
-def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
-    """SGLang's LlamaForCausalLMEagle3; tensor names are ours unchanged.
+def _eagle3_vocab(saved: dict, tensors: dict) -> tuple[int, int, dict]:
+    """(target vocab V, draft vocab N, the tensors to ship). A full-size draft vocabulary (N == V) is
+    the identity map, and ships no d2t/t2d (see the exporters for each consumer's reading)."""
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    V, N = t2d.numel(), d2t.numel()
+    if saved["target_config"].get("vocab_size") != V:
+        raise SpecdraftError(
+            f"this drafter's vocabulary map covers {V} target tokens, but its target's config says vocab_size "
+            f"{saved['target_config'].get('vocab_size')}; the engines size the map from the config. Export --format hf."
+        )
+    if N < V:
+        return V, N, dict(tensors)
+    if d2t.any() or not t2d.all():  # from_target_ids sorts its ids, so a full vocabulary is the identity
+        raise SpecdraftError("this drafter's full-size draft vocabulary is not the identity map; export --format hf")
+    return V, N, {k: t for k, t in tensors.items() if k not in ("d2t", "t2d")}
 
-    Checked against sgl-project/sglang:
-      python/sglang/srt/models/llama_eagle3.py  fc = Linear(3 * target_hidden_size, hidden_size,
-        bias=getattr(config, "bias", False)); lm_head [draft_vocab_size, hidden] unless
-        tie_word_embeddings; the layer keeps the hidden as residual before hidden_norm (ours);
-        load_weights: d2t -> hot_token_id, t2d skipped, q/k/v -> qkv_proj, gate/up -> gate_up_proj,
-        other names tried as-is then as model.<name>; names that match nothing are dropped silently.
-      python/sglang/srt/models/llama.py  attention bias = attention_bias or bias; LlamaMLP: silu only;
-        set_embed shares the target's embedding; set_eagle3_layers_to_capture captures [id + 1 ...]
-      python/sglang/srt/model_executor/model_runner.py  layer ids from the draft config's
-        eagle_config["eagle_aux_hidden_state_layer_ids"]
+
+def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
+    """SGLang's LlamaForCausalLMEagle3; tensor names are ours, plus the target's embedding.
+
+    Checked against sglang 0.5.23 (the PyPI wheel):
+      srt/models/llama_eagle3.py  fc = Linear(num_aux * target_hidden_size, hidden_size, bias=config.bias);
+        num_aux: num_aux_hidden_states, else len(eagle_config ids); norm_before_fc (eagle_config or config),
+        fc_norm / use_aux_norm and norm_output read from the config, all written here as false;
+        lm_head [draft_vocab_size, hidden] unless tie_word_embeddings; the first layer keeps the hidden as
+        residual before hidden_norm (ours); load_weights: midlayer -> layers.0, d2t -> hot_token_id =
+        d2t + arange, t2d skipped, q/k/v -> qkv_proj, gate/up -> gate_up_proj, other names tried as-is then
+        as model.<name> (so embed_tokens.weight loads into model.embed_tokens), unmatched names dropped silently
+      srt/models/llama.py  attention bias = attention_bias or bias; LlamaMLP: silu only; set_embed replaces
+        the draft's embedding with the target's (hidden sizes equal), so SGLang runs on the target's own
+      srt/speculative/eagle_worker_v2.py  init_lm_head / init_token_map: hot_token_id only from the draft's
+        d2t; None means draft id = target id, so a full-size vocabulary ships no d2t/t2d
+      srt/model_executor/model_runner_components/spec_aux_hidden_state.py  layer ids from the draft config's
+        eagle_config["eagle_aux_hidden_state_layer_ids"]; models/llama.py set_eagle3_layers_to_capture adds 1
+    and SafeAILab/EAGLE (main at cb7e084, on the transformers 4 it requires: under transformers 5 EConfig turns
+    any RoPE into rope_scaling-as-rope_parameters and cnets.py fails on rope_scaling["type"], whatever the
+    folder says), which reads the same folder (EaModel.from_pretrained(use_eagle3=True)):
+      eagle/model/ea_model.py  EConfig from config.json; state dict loaded with strict=False (missing and
+        unexpected names pass silently); d2t/t2d buffers deleted when vocab_size == draft_vocab_size
+      eagle/model/cnets.py Model.__init__  takes the base model's embedding only `if load_emb and not
+        hasattr(config, "target_hidden_size")`, and then only through model.safetensors.index.json or
+        pytorch_model.bin.index.json (a single-file target raises); otherwise embed_tokens stays nn.Embedding's
+        random init unless the state dict has embed_tokens.weight. SGLang and vLLM size fc by target_hidden_size,
+        so the key stays and the embedding ships. d2t/t2d are zero-initialised buffers: a reduced vocabulary
+        must ship both. Attention head_dim = hidden_size // num_attention_heads; RoPE from rope_theta, or
+        rope_scaling {"type": linear|dynamic, "factor"} (configs.py EConfig rejects other scalings)
     """
     _check_tensor_names(set(tensors), EAGLE3_TENSORS, "SGLang's LlamaForCausalLMEagle3")
+    V, N, out = _eagle3_vocab(saved, tensors)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
-        **_layer_fields(saved, tensors, "llama", vocab_size=tensors["t2d"].numel()),
-        "draft_vocab_size": saved["draft_vocab_size"],
+        **_layer_fields(saved, tensors, "llama", vocab_size=V),
+        "draft_vocab_size": N,
         "target_hidden_size": saved["target_config"]["hidden_size"],
         "bias": False,  # fc has no bias, and llama.py would also give attention a bias
         "attention_bias": False,
         "mlp_bias": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,  # the next step's hidden is the pre-norm output
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(_served_taps(saved)),
             "use_aux_hidden_state": True,
         },
     }
-    return config, dict(tensors)
+    return config, out
 
 
 def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
     """The speculators format, which vLLM serves as Eagle3LlamaForCausalLM; midlayer.* -> layers.0.*.
 
-    Checked against vllm-project/vllm:
+    Checked against vLLM 0.33.0 (the PyPI wheel):
       vllm/transformers_utils/configs/speculators/base.py  requires speculators_model_type,
         speculators_config.proposal_methods[0].speculative_tokens, speculators_config.verifier.name_or_path
         and a transformer_layer_config dict, which becomes the draft's model config
       vllm/transformers_utils/configs/speculators/algos.py  update_eagle3 copies draft_vocab_size,
-        target_hidden_size, norm_before_residual (missing -> True, unlike ours), and
-        eagle_aux_hidden_state_layer_ids; the architecture comes from model_type "llama"
-      vllm/model_executor/models/llama_eagle3.py  fc = 3 * target_hidden_size -> hidden, no bias; q/k/v
-        read 2 * hidden; qkv bias = attention_bias; use_aux_hidden_state from eagle_config; load_weights:
-        t2d skipped, d2t -> draft_id_to_target_id, midlayer. -> layers.0., all but lm_head under model.,
-        unknown names raise; no embed_tokens tensor -> the target's embedding is shared
+        target_hidden_size, norm_before_residual (missing -> True, unlike ours), norm_before_fc, fc_norm,
+        norm_output and eagle_aux_hidden_state_layer_ids; the architecture comes from model_type "llama"
+      vllm/model_executor/models/llama_eagle3.py  fc = num_aux * target_hidden_size -> hidden, no bias;
+        q/k/v read 2 * hidden; qkv bias = attention_bias; draft_id_to_target_id exists only when
+        draft_vocab_size != the target's vocab size (model_config.get_vocab_size()), and load_weights renames
+        d2t to it, so a full-size vocabulary must ship no d2t ("There is no module or parameter named
+        'draft_id_to_target_id'"); t2d skipped; midlayer. -> layers.0., all but lm_head under model.;
+        an embed_tokens tensor is loaded, and process_eagle_weight marks has_own_embed_tokens
+      vllm/v1/spec_decode/llm_base_proposer.py  _maybe_share_embeddings: an own embedding identical to the
+        target's is replaced by the target's (the shipped one is the target's, so vLLM shares it)
       vllm/v1/worker/gpu_model_runner.py  _get_eagle3_aux_layers_from_config: the draft config's
         eagle_aux_hidden_state_layer_ids, in vLLM's convention (= our taps)
-    and vllm-project/speculators src/speculators/config.py (SpeculatorsConfig, VerifierConfig),
-    src/speculators/models/eagle3/config.py (Eagle3SpeculatorConfig), src/speculators/proposals/greedy.py.
+      vllm/transformers_utils/config.py  maybe_override_with_speculators: `vllm serve EXPORT` alone serves
+        the verifier, and only a hub repo id there ("Select local verifiers explicitly with --model and
+        --speculative-config"); so the verifier is the real folder or hub id, never a specdraft shortcut
+    and speculators 0.9.0 (the PyPI wheel), which loads the same folder (SpeculatorModel.from_pretrained):
+      src/speculators/model.py  DraftVocabMixin._init_vocab: d2t/t2d buffers only when draft_vocab_size !=
+        transformer_layer_config.vocab_size; embed_tokens and lm_head start as NaN; from_pretrained then
+        load_verifier_weights copies the verifier's embedding only where embed_tokens is still NaN. Under
+        transformers 5 a missing key is materialised uninitialised instead (embed_tokens.weight is in
+        _keys_to_ignore_on_load_missing, so nothing warns): the embedding must ship
+      src/speculators/models/eagle3/core.py  Eagle3DraftModel: fc = num_aux * hidden; layers.0 with
+        hidden_norm; rotary from the layer config with hidden_size doubled (so head_dim is written);
+        from_pretrained opens the verifier (resolve_target_layer_ids, AutoConfig.from_pretrained)
+      src/speculators/models/eagle3/config.py, src/speculators/config.py, src/speculators/proposals/greedy.py
     Tensor names are the ones speculators itself saves (layers.0.*).
     """
     _check_tensor_names(set(tensors), EAGLE3_TENSORS, "vLLM's Eagle3LlamaForCausalLM")
+    V, N, out = _eagle3_vocab(saved, tensors)
     if not opts.verifier:
         raise SpecdraftError(
             "vLLM's speculators config names the target model (speculators_config.verifier.name_or_path), and "
-            "no recipe with target.path was found next to the drafter: pass --verifier HUB_ID_OR_PATH."
+            "no recipe with target.path was found next to the drafter: pass --target HUB_ID_OR_PATH."
         )
     tc = saved["target_config"]
-    layer = _layer_fields(saved, tensors, "llama", vocab_size=tensors["t2d"].numel())
+    layer = _layer_fields(saved, tensors, "llama", vocab_size=V)
     layer.update(attention_bias=False, mlp_bias=False, eagle_config={"use_aux_hidden_state": True})
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -202,13 +364,16 @@ def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dic
             "verifier": {"name_or_path": opts.verifier, "architectures": tc.get("architectures") or []},
         },
         "transformer_layer_config": layer,
-        "draft_vocab_size": saved["draft_vocab_size"],
+        "draft_vocab_size": N,
         "norm_before_residual": False,  # our residual is the hidden before hidden_norm
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,  # the next step's hidden is the pre-norm output
         "target_hidden_size": tc["hidden_size"],
         "eagle_aux_hidden_state_layer_ids": _served_taps(saved),
         "torch_dtype": layer["torch_dtype"],
     }
-    return config, {name.replace("midlayer.", "layers.0."): t for name, t in tensors.items()}
+    return config, {name.replace("midlayer.", "layers.0."): t for name, t in out.items()}
 
 
 # -- EAGLE-1 -------------------------------------------------------------------------------------
@@ -243,15 +408,25 @@ def _eagle1_kind(saved: dict, engine_models: dict[str, str], engine: str) -> str
 def eagle1_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
     """The reference layout as SGLang's LlamaForCausalLMEagle / Qwen2ForCausalLMEagle load it.
 
-    Checked against sgl-project/sglang:
-      python/sglang/srt/models/llama_eagle.py, qwen2_eagle.py  fc = Linear(2H, H) with a bias, always
-        (a drafter trained without one gets a zero bias, else nn.Linear's random init would stay);
-        cat(embed, feature) order; layer 0's input_layernorm is the identity (no tensor); load_weights
-        skips lm_head names and prefixes the rest with model.
-      python/sglang/srt/speculative/eagle_worker.py  set_embed_and_head: embedding and LM head are the
-        target's, so neither is written
-      python/sglang/srt/models/llama.py  attention bias = attention_bias or bias; unknown *.bias names
-        are dropped silently, other unknown names only warn
+    Checked against sglang 0.5.23 (the PyPI wheel):
+      srt/models/llama_eagle.py, qwen2_eagle.py  fc = Linear(2H, H) with a bias, always (a drafter trained
+        without one gets a zero bias, else nn.Linear's random init would stay); cat(embed, feature) order;
+        layer 0's input_layernorm is deleted (no tensor); load_weights skips lm_head names and prefixes the
+        rest with model.
+      srt/speculative/eagle_worker_v2.py  init_lm_head: set_embed_and_head binds the target's embedding
+        and LM head, so neither is written
+      srt/models/llama.py  attention bias = attention_bias or bias (a missing bias reads False); unknown
+        *.bias names are dropped silently, other unknown names only warn. qwen2.py: q/k/v biases always,
+        no qkv_bias key read
+    and SafeAILab/EAGLE (transformers 4, as for EAGLE-3), which reads the same folder
+    (EaModel.from_pretrained(use_eagle3=False)):
+      eagle/model/ea_model.py  fc bias = config.json "bias", True when missing; strict=False load
+      eagle/model/cnets1.py Model.__init__  fc = Linear(2H, H, bias); q/k/v biases only with "qkv_bias";
+        o_proj never biased; load_emb reads the base model's embedding (through a sharded checkpoint's
+        index only: with a single-file target EaModel raises, whatever the export ships), so none is written
+    So "bias" is left out (SGLang: no attention bias; EaModel: fc bias, which this export always has), and
+    a Qwen2 layer says qkv_bias: true. EaModel cannot hold a Llama layer's o_proj bias (attention_bias
+    targets); SGLang, the engine this format names, can.
     """
     models = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
     kind = _eagle1_kind(saved, models, "SGLang")
@@ -261,24 +436,27 @@ def eagle1_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[d
     if "fc.bias" not in out:
         out["fc.bias"] = torch.zeros_like(out["fc.weight"][:, 0])
     _check_tensor_names(set(out), _eagle1_tensors(kind, attention_bias, fc_bias=True), f"SGLang's {models[kind]}")
-    config = {"architectures": [models[kind]], **_layer_fields(saved, tensors, kind, tc["vocab_size"]), "bias": False}
+    config = {"architectures": [models[kind]], **_layer_fields(saved, tensors, kind, tc["vocab_size"])}
     if kind == "llama":
         config.update(attention_bias=attention_bias, mlp_bias=False)
     else:  # Qwen2's q/k/v biases are built in; the draft layer attends without a window
-        config.update(use_sliding_window=False, sliding_window=None)
+        config.update(use_sliding_window=False, sliding_window=None, qkv_bias=True)
     return config, out
 
 
 def eagle1_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
     """The reference layout with a Llama config; serve with --speculative-config '{"method": "eagle", ...}'.
 
-    Checked against vllm-project/vllm:
+    Checked against vLLM 0.33.0 (the PyPI wheel):
       vllm/transformers_utils/configs/eagle.py  EAGLEConfig (method "eagle") renames architecture X to
         EagleX: LlamaForCausalLM -> EagleLlamaForCausalLM (model_executor/models/registry.py)
       vllm/model_executor/models/llama_eagle.py  fc = Linear(2H, H, bias=False), so a trained fc bias has
-        no place (refused unless exactly zero); layer 0's input_layernorm is nn.Identity (no tensor);
-        embed_tokens skipped (shared); no lm_head parameter (the target's is used); unknown names raise
+        no place (refused unless exactly zero); layer 0's input_layernorm is disabled (no tensor); no
+        lm_head parameter (the target's is used); unknown names raise; without an embed_tokens tensor,
+        has_own_embed_tokens stays false and llm_base_proposer.py shares the target's embedding
       vllm/model_executor/models/llama.py  attention bias = attention_bias or bias, hence "bias": false
+    SafeAILab/EAGLE's EaModel reads the layout too: "bias": false gives it an fc without bias (ours), and
+    cnets1.py reads the base model's embedding itself.
     """
     kind = _eagle1_kind(saved, {"llama": "LlamaForCausalLM (EagleLlamaForCausalLM)"}, "vLLM")
     tc = saved["target_config"]
@@ -302,7 +480,7 @@ def eagle1_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dic
 
 
 def to_hf(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
-    """specdraft's own folder, unchanged."""
+    """specdraft's own folder, unchanged (no embedding: specdraft binds the target's)."""
     return saved, tensors
 
 
@@ -329,9 +507,13 @@ def exporter_for(family: str, fmt: str):
 
 
 def _specdraft_tensors(saved: dict, fmt: str, tensors: dict) -> dict:
-    """An export's tensors under specdraft's names again (the inverse of the exporters' renaming)."""
+    """An export's tensors under specdraft's names again (the inverse of the exporters' renaming),
+    without the target's embedding."""
     out = {name.replace("layers.0.", "midlayer.") if saved["family"] == "eagle3" else name: t
-           for name, t in tensors.items()}
+           for name, t in tensors.items() if name != EMBED}
+    if saved["family"] == "eagle3" and "d2t" not in out:  # a full-size vocabulary: the identity map
+        out["d2t"] = torch.zeros(saved["draft_vocab_size"], dtype=torch.long)
+        out["t2d"] = torch.ones(saved["target_config"]["vocab_size"], dtype=torch.bool)
     if saved["family"] == "eagle1":  # sglang always has fc.bias, vllm never: back to the drafter's own
         bias = out.pop("fc.bias", None)
         if saved["config"].get("fc_bias", True):
@@ -368,8 +550,9 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
            verifier: str | None = None, num_speculative_tokens: int | None = None) -> Path:
     """Write the drafter of a run (its final drafter, else its newest checkpoint) in format ``fmt``.
 
-    ``verifier`` and ``num_speculative_tokens`` only go into the vLLM EAGLE-3 config; by default
-    they are the run recipe's ``target.path`` and ``eval.k``.
+    ``verifier`` is the target (a folder, hub id or specdraft shortcut such as ``toy``); by default the
+    run recipe's ``target.path``. EAGLE-3 engine exports ship its token embedding, and the vLLM EAGLE-3
+    config names it. ``num_speculative_tokens`` only goes into that config; by default the recipe's ``eval.k``.
     """
     given, out_dir = Path(run_or_drafter_dir), Path(out_dir)
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
@@ -389,10 +572,19 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
 
     recipe = _find_recipe(given, source)
     opts = ExportOptions(
-        verifier=verifier or (recipe.get("target") or {}).get("path") or saved["target_config"].get("_name_or_path"),
+        verifier=name_target(verifier or (recipe.get("target") or {}).get("path")
+                             or saved["target_config"].get("_name_or_path")),
         num_speculative_tokens=num_speculative_tokens or (recipe.get("eval") or {}).get("k") or 3,
     )
-    config, tensors = exporter(saved, load_file(str(source / "model.safetensors")), opts)
+    tensors = load_file(str(source / "model.safetensors"))
+    if (family, fmt) in SHIPS_EMBEDDING:
+        if not opts.verifier:
+            raise SpecdraftError(
+                f"the {fmt} export ships the target's token embedding, and no recipe with target.path was found "
+                "next to the drafter: pass --target with the target's folder or hub id."
+            )
+        tensors[EMBED] = _target_embedding(saved, tensors, opts.verifier)
+    config, tensors = exporter(saved, tensors, opts)
     side = None if fmt == "hf" else {"format": fmt, "options": asdict(opts), "drafter_config": saved}
     _write_folder(out_dir, config, tensors, side)
     return out_dir
@@ -402,7 +594,8 @@ def load_exported(path: str | Path, target):
     """Read an exported folder back into a specdraft drafter bound to ``target``.
 
     The weights are the exported tensors, renamed back. The folder must hold exactly what ``export``
-    writes for its drafter (config and tensors), so what an engine reads is what was trained.
+    writes for its drafter (config and tensors), so what an engine reads is what was trained, and
+    its embedding must be ``target``'s.
     """
     from .drafters import load_drafter
 
@@ -413,8 +606,13 @@ def load_exported(path: str | Path, target):
     saved, fmt = side["drafter_config"], side["format"]
     config = json.loads((path / "config.json").read_text())
     tensors = load_file(str(path / "model.safetensors"))
+    ships_embedding = (saved["family"], fmt) in SHIPS_EMBEDDING
+    if ships_embedding and EMBED not in tensors:
+        raise SpecdraftError(f"{path} was changed after export ({EMBED} is missing). Export it again.")
     weights = _specdraft_tensors(saved, fmt, tensors)
-    want_config, want_tensors = exporter_for(saved["family"], fmt)(saved, weights, ExportOptions(**side["options"]))
+    embedding = {EMBED: tensors[EMBED]} if ships_embedding else {}
+    want_config, want_tensors = exporter_for(saved["family"], fmt)(
+        saved, {**weights, **embedding}, ExportOptions(**side["options"]))
     changed = sorted(k for k in set(config) | set(want_config) if config.get(k) != want_config.get(k))
     changed += sorted(k for k in set(tensors) | set(want_tensors)
                       if k not in tensors or k not in want_tensors or not torch.equal(tensors[k], want_tensors[k]))
@@ -422,6 +620,12 @@ def load_exported(path: str | Path, target):
         raise SpecdraftError(
             f"{path} was changed after export ({', '.join(changed)} differ from what specdraft writes for its "
             "drafter), so an engine would not run the trained drafter. Export it again."
+        )
+    own = target.embed_tokens.weight
+    if ships_embedding and not torch.equal(tensors[EMBED].to(device=own.device, dtype=own.dtype), own):
+        raise SpecdraftError(
+            f"{path} ships a token embedding that is not this target's: it was exported for another target. "
+            "Load it with the target named at export, or export again with --target."
         )
     with tempfile.TemporaryDirectory() as tmp:
         _write_folder(Path(tmp) / "drafter", saved, weights, None)
@@ -447,7 +651,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", required=True, help=f"one of {', '.join(FORMATS)}")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    parser.add_argument("--verifier", help="vLLM only: the target's hub id or path (default: the recipe's target.path)")
+    parser.add_argument("--target", "--verifier", dest="verifier",
+                        help="the target's folder or hub id (default: the recipe's target.path): EAGLE-3 sglang "
+                             "and vllm exports ship its token embedding, and vLLM's config names it")
     parser.add_argument("--num-speculative-tokens", type=int,
                         help="vLLM only: draft length written into the config (default: the recipe's eval.k)")
 
@@ -459,5 +665,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     hint = SERVE_HINTS.get((family, args.format))
     if hint:
-        print("serve with:\n  " + hint.format(out=out))
+        side = json.loads((Path(out) / SIDE_FILE).read_text())
+        print("serve with:\n  " + hint.format(out=out).replace("TARGET", side["options"]["verifier"] or "TARGET"))
     return 0
