@@ -117,14 +117,12 @@ def _zero_state_classes():
         yield
 
 
-def _read_zero_shard(accelerator, ckpt: Path, saved_world_size: int) -> dict:
+def _read_zero_shard(accelerator, ckpt: Path) -> dict:
     shard = _zero_shard_file(ckpt, accelerator.process_index)
-    if saved_world_size != accelerator.num_processes or not shard.is_file():
-        how = "under DeepSpeed ZeRO" if _zero_shard_file(ckpt, 0).is_file() else "without DeepSpeed"
+    if not shard.is_file():
         raise SpecdraftError(
-            f"checkpoint {ckpt} was written by {saved_world_size} process(es) {how}, and ZeRO optimizer "
-            f"shards only load into the same setup: resume with {saved_world_size} process(es) and the launcher "
-            "config it was trained with, or start again with --overwrite."
+            f"checkpoint {ckpt} was written without DeepSpeed and holds no ZeRO optimizer shards: resume it "
+            "with the launcher config it was trained with, or start again with --overwrite."
         )
     with _zero_state_classes():
         return torch.load(shard, map_location="cpu", weights_only=True)
@@ -194,17 +192,18 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
     zero = uses_deepspeed(accelerator)
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
+        _check_world_size(accelerator, ckpt, state.get("world_size", 1))
         weights = load_file(ckpt / "drafter" / "model.safetensors", device="cpu")
         if not zero and not (ckpt / "optimizer.pt").is_file() and _zero_shard_file(ckpt, 0).is_file():
             raise SpecdraftError(
                 f"checkpoint {ckpt} holds DeepSpeed ZeRO optimizer shards; resume it with the DeepSpeed launcher "
                 f"config it was trained with ({state.get('world_size')} processes), or start again with --overwrite."
             )
-        optim_state = (_read_zero_shard(accelerator, ckpt, state.get("world_size", 1)) if zero
+        optim_state = (_read_zero_shard(accelerator, ckpt) if zero
                        else torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
         sched_state = torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=True)
-        rng_file = ckpt / f"rng-rank{accelerator.process_index}.pt"
-        rng = torch.load(rng_file, map_location="cpu", weights_only=True) if rng_file.is_file() else None
+        # Every process saved its own; a missing one means an incomplete checkpoint, not "skip it".
+        rng = torch.load(ckpt / f"rng-rank{accelerator.process_index}.pt", map_location="cpu", weights_only=True)
     except SpecdraftError:
         raise
     except Exception as e:  # truncated safetensors, bad pickle, bad JSON: all mean the same to the user
@@ -226,6 +225,17 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
     else:
         optimizer.load_state_dict(optim_state)
     scheduler.load_state_dict(sched_state)
-    if rng is not None:
-        _set_rng_state(rng)
+    _set_rng_state(rng)
     return state
+
+
+def _check_world_size(accelerator, ckpt: Path, saved: int) -> None:
+    """A resume is exact only with the process count that wrote the checkpoint: the data position
+    and the RNG streams are per process (and so are ZeRO optimizer shards)."""
+    if saved != accelerator.num_processes:
+        raise SpecdraftError(
+            f"checkpoint {ckpt} was written by {saved} process(es) and this run has "
+            f"{accelerator.num_processes}: each process's data position and RNG resume only in the same "
+            f"setup. Resume with {saved} process(es) (`accelerate launch --num_processes {saved} ...`, with "
+            "the launcher config it was trained with), or start again with --overwrite."
+        )

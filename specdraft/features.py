@@ -30,15 +30,37 @@ from .errors import SpecdraftError
 SHARD_SIZE = 256
 
 
-def cache_key(recipe: Recipe, num_layers: int) -> str:
-    from .data.pipeline import data_fingerprint
+def cache_key(recipe: Recipe, target) -> str:
+    """What the cached features depend on: the data, how it is tokenized, and the target itself.
+
+    The target counts by its weights and tokenizer, not only its path: a model replaced in place
+    (retrained, another revision under the same folder) gives other features, and a cache of the
+    old one must not be read as if it were the new one's.
+    """
+    from .data.pipeline import data_fingerprint, tokenizer_fingerprint
 
     parts = [recipe.data.path, recipe.data.format, recipe.data.max_length, recipe.data.eval_fraction,
              recipe.data.eval_path, recipe.data.max_samples, recipe.data.seed, recipe.data.chat_template,
-             recipe.target.path, recipe.target.dtype, str(recipe.target.taps), num_layers,
+             recipe.target.path, recipe.target.dtype, str(recipe.target.taps), target.num_layers,
              data_fingerprint(recipe.data.path, recipe.data.split),
-             recipe.data.eval_path and data_fingerprint(recipe.data.eval_path, recipe.data.split)]
+             recipe.data.eval_path and data_fingerprint(recipe.data.eval_path, recipe.data.split),
+             weights_fingerprint(target.model), tokenizer_fingerprint(target.tokenizer)]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(model: torch.nn.Module, per_tensor: int = 64) -> str:
+    """A hash of every tensor's name, shape and ``per_tensor`` evenly spaced values.
+
+    Training changes essentially every value, so a sample identifies the weights as well as
+    hashing them all would, at no cost next to one forward (hashing a whole 8B model reads 16 GB).
+    """
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // per_tensor)][:per_tensor]
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(sample.float().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _bytes_needed(datasets: dict, target) -> int:
@@ -61,7 +83,7 @@ def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
     target = load_target(recipe, device)
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
     splits = {"train": train_ds, "eval": eval_ds}
-    key = cache_key(recipe, target.num_layers)
+    key = cache_key(recipe, target)
     manifest = {"key": key, "shard_size": SHARD_SIZE, "taps": target.taps, "hidden_size": target.hidden_size,
                 "sizes": {name: len(ds) for name, ds in splits.items()}}
     manifest_file = out / "manifest.json"
@@ -141,7 +163,7 @@ def open_feature_caches(recipe: Recipe, target) -> dict[str, FeatureCache] | Non
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         raise SpecdraftError(f"no feature cache in {folder}; run `specdraft cache-features RECIPE` first")
-    if json.loads(manifest.read_text())["key"] != cache_key(recipe, target.num_layers):
+    if json.loads(manifest.read_text())["key"] != cache_key(recipe, target):
         raise SpecdraftError(f"the feature cache in {folder} was built from a different recipe/data/target; "
                              "rebuild it with `specdraft cache-features RECIPE`")
     return {split: FeatureCache(folder, target, split) for split in ("train", "eval")}

@@ -198,7 +198,9 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
         mixed_precision=tcfg.mixed_precision,
         log_with=trackers or None,
         project_dir=str(run_dir),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # data_seed: the shuffle follows training.seed, whatever a drafter's build does to torch's
+        # global seed (without it accelerate seeds the sampler from torch.initial_seed() at prepare).
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=tcfg.seed),
         **deepspeed_arguments(tcfg),
     )
     load_models_whole(accelerator)
@@ -254,6 +256,9 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        if resume:  # lines after this one supersede any the killed run logged past the checkpoint
+            event = {"step": state.step, "event": "resumed", "checkpoint": ckpt.name}
+            _append_jsonl(run_dir / "metrics.jsonl", event)
     if trackers:
         init_kwargs = {"wandb": {"name": recipe.tracking.run_name, "dir": os.environ.get("WANDB_DIR", str(run_dir))}}
         accelerator.init_trackers(recipe.tracking.project, config=flat_config(recipe.to_dict()), init_kwargs=init_kwargs)
@@ -267,8 +272,7 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
             return
         accelerator.log(metrics, step=step)
         if accelerator.is_main_process:
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+            _append_jsonl(run_dir / "metrics.jsonl", {"step": step, **metrics})
 
     def save(reason: str) -> None:
         trainer_state = {"run": vars(state), "world_size": accelerator.num_processes, "reason": reason}
@@ -292,6 +296,7 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     bar = tqdm(total=total_steps, initial=state.step, disable=not (show_progress and accelerator.is_local_main_process),
                desc="train", unit="step", dynamic_ncols=True)
     history: list[dict[str, torch.Tensor]] = []
+    evaluated_at = None  # the step of the last periodic eval: the final eval does not repeat it
     t_start, tokens_at_start, target_seconds = time.perf_counter(), state.tokens, 0.0
     step_module.train()
     with StopRequested() as stop:
@@ -340,6 +345,7 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
                     history.clear()
                 if tcfg.eval_every and state.step % tcfg.eval_every == 0:
                     log_metrics(evaluate(), state.step)
+                    evaluated_at = state.step
                 if state.step % recipe.checkpoint.save_every == 0 or stop.requested:
                     save("signal" if stop.requested else "periodic")
                 if stop.requested:
@@ -354,7 +360,8 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     bar.close()
     if not checkpoint_dirs(run_dir) or checkpoint_dirs(run_dir)[-1].name != f"step-{state.step:07d}":
         save("final")
-    log_metrics(evaluate(), state.step)
+    if evaluated_at != state.step:
+        log_metrics(evaluate(), state.step)
     with full_parameters(accelerator, step_module):  # ZeRO-3: every process takes part in the gather
         if accelerator.is_main_process:
             _write_final_drafter(run_dir, step_module, accelerator)
@@ -394,6 +401,11 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
         )
         print(format_table(results[temperature]))
     return results
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _write_final_drafter(run_dir: Path, step_module, accelerator) -> None:

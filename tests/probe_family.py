@@ -1,17 +1,23 @@
 """A deliberately tiny drafter family for testing the training spine on its own.
 
 It predicts the next token from the target's last hidden state with one linear
-layer, plus a little torch RNG noise so RNG restore is exercised on resume.
+layer. While training it adds a little noise, like dropout, drawn from all three
+global RNGs a checkpoint restores (torch, Python, NumPy), so a resume that skips
+any of them ends with other weights. Each process gets its own streams, so a
+resume that hands every process rank 0's RNG is caught too.
 Import it (``import probe_family``) to register it as family "probe".
 """
 
 import json
 import os
+import random
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -37,20 +43,23 @@ class Probe(nn.Module):
     calls = 0
 
     def _fault_injection(self):
-        """Test hooks: PROBE_{KILL,SIGTERM,NAN}_AT_CALL=n acts on the n-th training micro-batch."""
+        """Test hooks: PROBE_{KILL,SIGTERM,SIGINT,NAN}_AT_CALL=n acts on the n-th training micro-batch."""
         if not self.training:
             return False
         Probe.calls += 1
         if Probe.calls == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
             os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no handler, no cleanup
-        if Probe.calls == int(os.environ.get("PROBE_SIGTERM_AT_CALL", 0)):
-            os.kill(os.getpid(), signal.SIGTERM)
+        for name in ("SIGTERM", "SIGINT"):
+            if Probe.calls == int(os.environ.get(f"PROBE_{name}_AT_CALL", 0)):
+                os.kill(os.getpid(), getattr(signal, name))
         return Probe.calls == int(os.environ.get("PROBE_NAN_AT_CALL", 0))
 
     def compute_loss(self, batch, target_out):
         make_nan = self._fault_injection()
         feature = target_out.last_hidden.float()
-        feature = feature + self.cfg.noise * torch.randn_like(feature)
+        if self.training:
+            scale = self.cfg.noise * (0.5 + random.random()) * (0.5 + np.random.random())
+            feature = feature + scale * torch.randn_like(feature)
         logits = self.head(feature)[:, :-1]
         labels = batch["input_ids"][:, 1:]
         mask = batch["loss_mask"][:, 1:].bool()
@@ -72,8 +81,14 @@ class Probe(nn.Module):
 
 
 def build(target, cfg, draft_vocab=None):
+    # Its own seed: the initial weights do not depend on how much RNG loading the target consumed.
     torch.manual_seed(1234)
-    return Probe(target.hidden_size, target.vocab_size, cfg)
+    probe = Probe(target.hidden_size, target.vocab_size, cfg)
+    seed = 1234 + (dist.get_rank() if dist.is_initialized() else 0)  # one noise stream per process
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    return probe
 
 
 def load(path, target=None):

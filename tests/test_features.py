@@ -76,6 +76,23 @@ def test_partial_cache_resumes_and_stale_cache_is_refused(tmp_path, target_dir, 
         cache_features(recipe_for(tmp_path, target_dir, data), show_progress=False)
 
 
+def check_a_cache_of_another_target_is_refused(tmp_path):
+    target = save_tiny_target(tmp_path / "target", num_hidden_layers=8)
+    recipe = recipe_for(tmp_path, target, make_chat_data(tmp_path / "chat.jsonl", n=8))
+    cache_features(recipe, show_progress=False)
+    # Another model in the same folder (retrained, another revision): same path, same shapes,
+    # other weights, so other features.
+    save_tiny_target(tmp_path / "target", num_hidden_layers=8, seed=1)
+    with pytest.raises(SpecdraftError, match="different recipe/data/target"):
+        train(recipe, show_progress=False)
+    with pytest.raises(SpecdraftError, match="different recipe/data/target"):
+        cache_features(recipe, show_progress=False)
+
+
+def test_a_cache_of_another_target_is_refused(tmp_path):
+    check_a_cache_of_another_target_is_refused(tmp_path)
+
+
 def test_refuses_when_the_disk_is_short(tmp_path, target_dir, monkeypatch):
     data = make_chat_data(tmp_path / "chat.jsonl", n=8)
     usage = namedtuple("usage", "total used free")

@@ -2,6 +2,7 @@
 
 import errno
 import json
+from pathlib import Path
 
 import probe_family  # noqa: F401  (registers the "probe" family)
 import pytest
@@ -12,8 +13,9 @@ from specdraft import checkpoint as ckpt_module
 from specdraft.checkpoint import checkpoint_dirs, find_drafter_dir
 from specdraft.config import parse_recipe
 from specdraft.errors import SpecdraftError
-from specdraft.train import train
-from spine import make_chat_data, make_recipe, run_cli, write_recipe
+from specdraft.train import make_scheduler, train
+from spine import (KilledRun, assert_logged_lr_schedule, assert_resumed_exactly, built_once, make_chat_data,
+                   make_recipe, read_metrics, run_cli, write_recipe)
 from tiny import save_tiny_target
 
 
@@ -31,49 +33,141 @@ def weights(run_dir):
     return load_file(find_drafter_dir(run_dir) / "model.safetensors")
 
 
-def test_end_to_end_learns_and_writes_a_self_describing_run(tmp_path, target_dir, data):
-    recipe = parse_recipe(make_recipe(tmp_path, target_dir, data, training={"max_steps": 12}))
+def check_end_to_end_learns_and_writes_a_self_describing_run(tmp_path, target_dir, data):
+    # eval_every=1: the held-out loss after every step, on the same batches each time.
+    recipe = parse_recipe(make_recipe(tmp_path, target_dir, data, training={"max_steps": 12, "eval_every": 1}))
     run_dir = train(recipe, show_progress=False)
     assert (run_dir / "recipe.yaml").is_file() and (run_dir / "drafter" / "config.json").is_file()
     steps = [int(p.name.split("-")[1]) for p in checkpoint_dirs(run_dir)]
     assert steps == [9, 12]  # keep_last=2 rotated step 3 and 6 away
     state = json.loads((checkpoint_dirs(run_dir)[-1] / "trainer_state.json").read_text())
-    assert state["run"]["step"] == 12 and state["world_size"] == 1
-    # it learned: training loss fell (the probe fits the fixed corpus easily)
-    log = json.loads((checkpoint_dirs(run_dir)[-1] / "trainer_state.json").read_text())
-    assert log["run"]["tokens"] > 0
+    assert state["run"]["step"] == 12 and state["world_size"] == 1 and state["run"]["tokens"] > 0
+    # It learned: the held-out loss fell between the first and the last step. The probe's noise is
+    # off in eval, so weights that never moved (lr 0) give the same loss to the last bit.
+    evals = [m["eval/loss"] for m in read_metrics(run_dir) if "eval/loss" in m]
+    assert len(evals) == 12
+    assert evals[-1] < evals[0], f"the held-out loss did not fall: {evals[0]:.4f} -> {evals[-1]:.4f}"
 
 
-def test_resume_after_kill_9_gives_identical_weights(tmp_path, target_dir, data):
-    straight = write_recipe(tmp_path / "a.yaml", make_recipe(tmp_path / "a", target_dir, data,
-                                                             training={"max_steps": 6}))
-    done = run_cli(["train", str(straight), "--no-progress"])
-    assert done.returncode == 0, done.stderr
-
-    broken = write_recipe(tmp_path / "b.yaml", make_recipe(tmp_path / "b", target_dir, data,
-                                                           training={"max_steps": 6}))
-    # grad_accumulation=2: call 7 is the first micro-batch after the step-3 checkpoint.
-    killed = run_cli(["train", str(broken), "--no-progress"], env={"PROBE_KILL_AT_CALL": "7"})
-    assert killed.returncode == -9
-    assert [p.name for p in checkpoint_dirs(tmp_path / "b" / "run")] == ["step-0000003"]
-    resumed = run_cli(["train", str(broken), "--resume", "--no-progress"])
-    assert resumed.returncode == 0, resumed.stderr
-
-    a, b = weights(tmp_path / "a" / "run"), weights(tmp_path / "b" / "run")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+def test_end_to_end_learns_and_writes_a_self_describing_run(tmp_path, target_dir, data):
+    check_end_to_end_learns_and_writes_a_self_describing_run(tmp_path, target_dir, data)
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data):
+def check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor(tmp_path, target_dir, data):
+    lr, warmup, total, floor = 1e-2, 3, 10, 0.1
+    raw = make_recipe(tmp_path, target_dir, data, training={"max_steps": total},
+                      optimizer={"lr": lr, "warmup_steps": warmup, "min_lr_ratio": floor})
+    assert_logged_lr_schedule(train(parse_recipe(raw), show_progress=False), lr, warmup, total, floor)
+    # The first step, before any scheduler step, trains at lr 0: the warmup starts from 0.
+    scheduler = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), parse_recipe(raw), total)
+    assert scheduler.get_last_lr() == [0.0]
+
+
+def test_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor(tmp_path, target_dir, data):
+    check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor(tmp_path, target_dir, data)
+
+
+@pytest.mark.parametrize("max_steps, eval_steps", [(7, [3, 6, 7]), (6, [3, 6])])
+def test_eval_runs_every_eval_every_steps_and_once_at_the_end(tmp_path, target_dir, data, max_steps, eval_steps):
+    raw = make_recipe(tmp_path, target_dir, data, training={"max_steps": max_steps, "eval_every": 3})
+    run_dir = train(parse_recipe(raw), show_progress=False)
+    # max_steps=6: the periodic eval at step 6 is the final one; it is not run twice.
+    assert [m["step"] for m in read_metrics(run_dir) if "eval/loss" in m] == eval_steps
+
+
+# 27 chats: 24 train (and 3 eval), 12 micro-batches of 2, so with grad_accumulation 2 an epoch is
+# 6 steps. The run is killed at the first micro-batch of step 9, so its newest checkpoint is step 8,
+# inside epoch 1 (2 steps into it), and the resume carries on across the next epoch boundary (step
+# 12 -> 13). Restoring the wrong epoch, data position or RNG then ends with other weights.
+KILL_STEPS, KILL_SAVE_EVERY, KILL_AT_STEP = 14, 4, 9
+
+
+def kill_9_runs(folder: Path) -> KilledRun:
+    recipe = make_recipe(folder, folder / "target", folder / "chat.jsonl",
+                         training={"max_steps": KILL_STEPS}, checkpoint={"save_every": KILL_SAVE_EVERY})
+    accumulation = recipe["training"]["grad_accumulation"]
+    return KilledRun(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * accumulation + 1)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> KilledRun:
+    def build(folder):
+        save_tiny_target(folder / "target")
+        make_chat_data(folder / "chat.jsonl", n=27)
+        kill_9_runs(folder).build()
+
+    runs = kill_9_runs(built_once(tmp_path_factory, "kill-9", build))
+    assert [p.name for p in checkpoint_dirs(runs.killed)] == ["step-0000004", "step-0000008"]
+    position = json.loads((checkpoint_dirs(runs.killed)[-1] / "trainer_state.json").read_text())["run"]
+    assert (position["epoch"], position["batches_in_epoch"]) == (1, 4), "the checkpoint is not inside epoch 1"
+    return runs
+
+
+def check_resume_after_kill_9(killed_run: KilledRun, name: str, env: dict | None = None) -> None:
+    out, run_dir = killed_run.resume(name, env)
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert_resumed_exactly(killed_run.straight, run_dir, out.stdout + out.stderr, KILL_AT_STEP - 1, KILL_STEPS)
+
+
+def test_resume_after_kill_9_gives_identical_weights(killed_run):
+    check_resume_after_kill_9(killed_run, "resumed")
+
+
+def check_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, signal_name, env=None):
     recipe = write_recipe(tmp_path / "r.yaml", make_recipe(tmp_path, target_dir, data,
                                                            training={"max_steps": 50}))
-    out = run_cli(["train", str(recipe), "--no-progress"], env={"PROBE_SIGTERM_AT_CALL": "9"})
-    assert out.returncode == 0, out.stderr
+    out = run_cli(["train", str(recipe), "--no-progress"], env={f"PROBE_{signal_name}_AT_CALL": "9", **(env or {})})
+    assert out.returncode == 0, f"{signal_name} did not exit 0: {out.stderr[-3000:]}"
     last = checkpoint_dirs(tmp_path / "run")[-1]
     state = json.loads((last / "trainer_state.json").read_text())
     assert state["reason"] == "signal" and state["run"]["step"] == 5  # call 9 is in step 5
     assert "resume with --resume" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, signal_name):
+    check_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, signal_name)
+
+
+def reset_accelerate_state():
+    """accelerate keeps one state per process, and its mixed precision cannot change once set."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """A bf16 run in this process: reset before it, and after it for the next test's fp32 runs."""
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+def check_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, target_dir, data, monkeypatch):
+    def run(name, precision, **flags):
+        raw = make_recipe(tmp_path / name, target_dir, data, training={"max_steps": 6, "mixed_precision": precision})
+        return train(parse_recipe(raw), show_progress=False, **flags)
+
+    straight = weights(run("straight", "bf16"))
+    monkeypatch.setattr(probe_family.Probe, "calls", 0)
+    monkeypatch.setenv("PROBE_SIGTERM_AT_CALL", "7")  # in step 4: it saves there and returns
+    stopped = run("stopped", "bf16")
+    assert [p.name for p in checkpoint_dirs(stopped)] == ["step-0000003", "step-0000004"]
+    monkeypatch.delenv("PROBE_SIGTERM_AT_CALL")
+    resumed = weights(run("stopped", "bf16", resume=True))
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    # and bf16 was really on: the same run in float32 ends elsewhere
+    reset_accelerate_state()
+    full = weights(run("fp32", "no"))
+    assert any(not torch.equal(straight[name], full[name]) for name in straight), "bf16 changed nothing"
+
+
+def test_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, target_dir, data, monkeypatch,
+                                                         fresh_accelerate_state):
+    check_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, target_dir, data, monkeypatch)
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, target_dir, data, monkeypatch):
@@ -113,13 +207,21 @@ def test_existing_run_is_never_overwritten_without_asking(tmp_path, target_dir, 
     train(recipe, overwrite=True, show_progress=False)
 
 
-def test_resume_without_checkpoint_and_corrupt_checkpoint(tmp_path, target_dir, data):
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:50])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda ckpt: truncate(ckpt / "drafter" / "model.safetensors"),
+    # without it the process would resume with the fresh RNG: not an exact resume, so refused
+    lambda ckpt: (ckpt / "rng-rank0.pt").unlink(),
+], ids=["truncated-weights", "missing-rng"])
+def test_resume_without_checkpoint_and_corrupt_checkpoint(tmp_path, target_dir, data, damage):
     recipe = parse_recipe(make_recipe(tmp_path, target_dir, data, training={"max_steps": 3}))
     with pytest.raises(SpecdraftError, match="no checkpoint"):
         train(recipe, resume=True, show_progress=False)
     train(recipe, show_progress=False)
-    weights_file = checkpoint_dirs(tmp_path / "run")[-1] / "drafter" / "model.safetensors"
-    weights_file.write_bytes(weights_file.read_bytes()[:50])  # truncated
+    damage(checkpoint_dirs(tmp_path / "run")[-1])
     with pytest.raises(SpecdraftError, match="corrupt or incomplete"):
         train(recipe, resume=True, show_progress=False)
 

@@ -1,0 +1,101 @@
+"""Tests of the training tests: each mutant is a bug a check claims to catch, injected on purpose.
+
+The check must fail on it, and with the assertion that names that bug. In-process mutants are
+monkeypatched here; mutants of a subprocess run are named by PROBE_MUTANT, which
+tests/run_probe_train.py applies before the CLI starts. The killed runs these resume are built
+once per session (spine.built_once) and shared with the tests they check.
+"""
+
+import probe_family  # noqa: F401  (registers the "probe" family)
+import pytest
+from transformers import get_scheduler
+
+from specdraft import features as features_module
+from specdraft import train as train_module
+from test_deepspeed import check_zero3_resume_after_kill_9, deepspeed_setup, zero3_runs  # noqa: F401  (fixtures)
+from test_distributed import check_ddp_resume_after_kill_9, ddp_killed_run  # noqa: F401  (a fixture)
+from test_features import check_a_cache_of_another_target_is_refused
+from test_train import (  # noqa: F401  (data, fresh_accelerate_state, killed_run, target_dir: fixtures)
+    check_bf16_mixed_precision_trains_and_resumes_exactly, check_end_to_end_learns_and_writes_a_self_describing_run,
+    check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor, check_resume_after_kill_9,
+    check_signal_saves_a_checkpoint_and_exits_0, data, fresh_accelerate_state, killed_run, target_dir)
+
+
+@pytest.mark.parametrize("mutant, failure", [
+    # Same seed, same data: starting over ends with the straight run's weights; only the log tells.
+    ("resume_from_scratch", "did not print that it resumed at step 8"),
+    ("lose_data_position", "resumed weights differ"),
+    ("lose_epoch", "resumed weights differ"),
+    ("skip_rng_restore", "resumed weights differ"),
+    ("torch_rng_only", "resumed weights differ"),
+])
+def test_kill_9_resume_check_catches(killed_run, mutant, failure):
+    with pytest.raises(AssertionError, match=failure):
+        check_resume_after_kill_9(killed_run, mutant, env={"PROBE_MUTANT": mutant})
+
+
+def test_two_process_resume_check_catches_every_process_getting_rank_0s_rng(ddp_killed_run):
+    mutant = "rank0_rng_everywhere"
+    with pytest.raises(AssertionError, match="resumed weights differ"):
+        check_ddp_resume_after_kill_9(ddp_killed_run, mutant, env={"PROBE_MUTANT": mutant})
+
+
+def test_zero3_resume_check_catches_a_resume_that_starts_over(zero3_runs):
+    # As in one process, ZeRO-3 starting over reaches the straight run's weights: the log tells.
+    mutant = "resume_from_scratch"
+    with pytest.raises(AssertionError, match="did not print that it resumed at step 4"):
+        check_zero3_resume_after_kill_9(zero3_runs, mutant, env={"PROBE_MUTANT": mutant})
+
+
+def test_signal_check_catches_sigint_not_handled(tmp_path, target_dir, data):
+    with pytest.raises(AssertionError, match="SIGINT did not exit 0"):
+        check_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, "SIGINT",
+                                                    env={"PROBE_MUTANT": "sigint_not_handled"})
+
+
+def test_learning_check_catches_training_at_lr_0(tmp_path, target_dir, data, monkeypatch):
+    real = train_module.param_groups
+    monkeypatch.setattr(train_module, "param_groups",
+                        lambda *args: [{**group, "lr": 0.0} for group in real(*args)])
+    with pytest.raises(AssertionError, match="held-out loss did not fall"):
+        check_end_to_end_learns_and_writes_a_self_describing_run(tmp_path, target_dir, data)
+
+
+def no_floor(optimizer, recipe, total_steps):
+    """Cosine down to 0, whatever optimizer.min_lr_ratio says."""
+    return get_scheduler("cosine", optimizer, num_warmup_steps=recipe.optimizer.warmup_steps,
+                         num_training_steps=total_steps)
+
+
+def no_warmup(optimizer, recipe, total_steps):
+    """Cosine to the floor from the first step, whatever optimizer.warmup_steps says."""
+    return get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=0, num_training_steps=total_steps,
+                         scheduler_specific_kwargs={"min_lr_rate": recipe.optimizer.min_lr_ratio})
+
+
+def linear_decay(optimizer, recipe, total_steps):
+    """Warmup, then a straight line to 0."""
+    return get_scheduler("linear", optimizer, num_warmup_steps=recipe.optimizer.warmup_steps,
+                         num_training_steps=total_steps)
+
+
+@pytest.mark.parametrize("mutant", [no_floor, no_warmup, linear_decay])
+def test_schedule_check_catches(tmp_path, target_dir, data, monkeypatch, mutant):
+    monkeypatch.setattr(train_module, "make_scheduler", mutant)
+    with pytest.raises(AssertionError, match="the schedule says"):
+        check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor(tmp_path, target_dir, data)
+
+
+def test_bf16_check_catches_mixed_precision_ignored(tmp_path, target_dir, data, monkeypatch, fresh_accelerate_state):
+    import accelerate
+
+    real = accelerate.Accelerator
+    monkeypatch.setattr(accelerate, "Accelerator", lambda **kwargs: real(**{**kwargs, "mixed_precision": "no"}))
+    with pytest.raises(AssertionError, match="bf16 changed nothing"):
+        check_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, target_dir, data, monkeypatch)
+
+
+def test_feature_cache_check_catches_a_key_blind_to_the_target_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(features_module, "weights_fingerprint", lambda model: "")
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        check_a_cache_of_another_target_is_refused(tmp_path)
