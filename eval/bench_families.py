@@ -83,7 +83,8 @@ def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt], str]:
     return toy_prompts("train", args.num_train_prompts), heldout, prompts, "the standard library (fallback)"
 
 
-def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int) -> tuple[Path, dict]:
+def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
+                   dtype: str) -> tuple[Path, dict]:
     """The target's own greedy answers, cached under a stamp of everything they depend on."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,7 +92,7 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
 
     answers = work / "data" / f"{name}.jsonl"
     stamp = {"target": str(target_dir.resolve()), "weights": (target_dir / "model.safetensors").stat().st_mtime,
-             "prompts": digest(prompts), "max_new_tokens": max_new_tokens}
+             "prompts": digest(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype}
     stamp_file = answers.with_suffix(".stamp.json")
     answers.parent.mkdir(parents=True, exist_ok=True)
     saved = json.loads(stamp_file.read_text()) if stamp_file.is_file() else {}
@@ -101,8 +102,7 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     elif answers.is_file() and len(answers.read_text().split("\n")) - 1 == len(prompts):
         print(f"reusing {answers} ({len(prompts)} answers)")
         return answers, {**json.loads(stamp_file.read_text()).get("record", {}), "reused": True}
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16 if torch.cuda.is_available()
-                                                 else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     started = time.perf_counter()
     written = regenerate(model, tokenizer, write_jsonl(work / "data" / f"{name}.prompts.jsonl", prompts), answers,
@@ -241,6 +241,9 @@ def main() -> None:
     parser.add_argument("--num-train-prompts", type=int, default=1200)
     parser.add_argument("--heldout-answers", type=int, default=48, help="answers the training runs evaluate on")
     parser.add_argument("--answer-tokens", type=int, default=256, help="max new tokens per regenerated answer")
+    parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the target's dtype for its training answers: bf16 generates 3x faster on CPU, and "
+                             "differs from fp32 greedy only at near-ties")
     parser.add_argument("--per-category", type=int, default=3, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=None, help="every family's step budget (default: its recipe's)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -256,8 +259,9 @@ def main() -> None:
     train, heldout, eval_prompts, source = prompt_sets(args)
     print(f"prompts: {len(train)} to train on, {len(heldout)} held out for training's eval, {len(eval_prompts)} to "
           f"decode, from {source}")
-    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens)
-    heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens)
+    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype)
+    heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
+                                        args.answer_dtype)
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
                  "eval.enabled=false"] + ([f"training.max_steps={args.steps}"] if args.steps else [])
     trained = train_all(families, prefix, overrides, work, args.train_jobs, [answers, heldout_answers])
