@@ -1,9 +1,15 @@
-"""SamplingParams validation, the logits -> probs warping math, and the samplers."""
+"""SamplingParams validation, the logits -> probs warping math, and the samplers.
+
+The warping tests compare float32 softmax outputs with closed forms using torch.allclose's
+defaults (rtol 1e-5, atol 1e-8): a few float32 roundings (1.2e-7 relative each) of numbers
+below 1, with room to spare, and an absolute floor only for exact zeros.
+"""
 
 import math
 
 import pytest
 import torch
+from test_verify_statistics import l1_check
 
 from specdraft.decoding.sampling import (
     SamplingParams,
@@ -124,10 +130,10 @@ def test_batched_shapes_and_rows_are_independent():
 def test_exponential_race_samples_the_normalised_weights():
     weights = torch.tensor([2.0, 0.0, 1.0, 5.0, 2.0])  # unnormalised on purpose
     g = torch.Generator().manual_seed(0)
-    draws = sample(weights.expand(100_000, 5), g)
-    freq = torch.bincount(draws, minlength=5).float() / len(draws)
-    assert freq[1] == 0  # zero weight is never drawn
-    assert (freq - weights / weights.sum()).abs().sum() < 0.015  # expected L1 ~0.005
+    draws = sample(weights.expand(200_000, 5), g)
+    assert not (draws == 1).any()  # zero weight is never drawn
+    check = l1_check("race histogram", draws, weights / weights.sum())  # derived bound: see its docstring
+    assert check.passed, check
 
 
 def test_sample_is_reproducible_with_a_generator():
@@ -146,7 +152,9 @@ def test_sample_with_exponentials_is_argmax_of_weight_over_noise():
 def test_draws_have_the_right_shape_range_and_seed():
     u = draw_uniforms(1000, torch.Generator().manual_seed(3))
     assert u.shape == (1000,) and u.dtype == torch.float32 and (u >= 0).all() and (u < 1).all()
-    e = draw_exponentials(4, 1000, torch.Generator().manual_seed(3))
-    assert e.shape == (4, 1000) and (e > 0).all()
-    assert abs(float(e.mean()) - 1.0) < 0.05  # Exp(1) has mean 1
-    assert torch.equal(e, draw_exponentials(4, 1000, torch.Generator().manual_seed(3)))
+    e = draw_exponentials(4, 10_000, torch.Generator().manual_seed(3))
+    assert e.shape == (4, 10_000) and (e > 0).all()
+    # Exp(1) has mean 1 and standard deviation 1: the mean of n draws is within 5 standard
+    # errors, 5 / sqrt(n), except with probability 6e-7 (normal limit; n = 40000).
+    assert abs(float(e.mean()) - 1.0) < 5 / e.numel() ** 0.5
+    assert torch.equal(e, draw_exponentials(4, 10_000, torch.Generator().manual_seed(3)))

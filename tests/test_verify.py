@@ -74,6 +74,23 @@ def test_rejection_samples_residual_by_exponential_race(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_correction_is_the_residuals_winner_not_ps(impl):
+    # The draft over-proposes p's mode: residual max(0, p - q) = [0, .25, .05] has its mode at
+    # token 1, p at token 0. Draft 0 is rejected (u q(0) = .72 >= p(0) = .6), and with equal
+    # noise the race picks the residual's mode; a draw from p would pick token 0.
+    p, q = [[0.6, 0.3, 0.1]], [[0.9, 0.05, 0.05]]
+    check(run(impl, [0], [1], q, p, [2], [0.8], [[1.0, 1.0, 1.0]], [False], 1), [[1, -1]], [0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_draft_likelier_under_p_than_q_is_always_accepted(impl):
+    # p(0) = .6 > q(0) = .3: min(1, p/q) = 1, so even u = .99 accepts (.99 * .3 < .6), then the
+    # bonus. Accepting with probability p(x), ignoring q, would reject it.
+    p, q = [[0.6, 0.4]], [[0.3, 0.7]]
+    check(run(impl, [0], [1], q, p, [1], [0.99], [[1.0, 1.0]], [False], 1), [[0, 1]], [1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_all_accepted_appends_bonus(impl):
     dist = [[0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]]
     # p == q: u * q < p for any u < 1, so everything is accepted.
@@ -317,6 +334,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_expected_acceptance_rate_is_overlap_mass():
     p = torch.tensor([[0.5, 0.3, 0.2], [1.0, 0.0, 0.0]])
     q = torch.tensor([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    # Sums of three float32 numbers: a few roundings, well inside allclose's rtol 1e-5.
     assert torch.allclose(expected_acceptance_rate(p, q), torch.tensor([0.7, 1.0]))
     # = 1 - total variation distance
     tv = 0.5 * (p - q).abs().sum(-1)
