@@ -16,7 +16,7 @@ drafts, corrections, bonus tokens). Three checks, each a statistic with a derive
 * acceptance: accepted drafts against alpha predicted = sum min(p, q) (Freedman bound).
 
 Seeds are fixed, so the tests are deterministic. Weights come from their own seeded
-generators (``redraw_weights_``), not from whatever global RNG transformers' init consumes.
+generators (``tiny.seeded_init_``), not from whatever global RNG transformers' init consumes.
 tests/test_mutants_sampling.py runs the same scenarios on broken samplers.
 """
 
@@ -26,7 +26,7 @@ from functools import lru_cache
 import pytest
 import torch
 from test_verify_statistics import Check, assert_all_pass, l1, l1_check, martingale_check
-from tiny import tiny_llama
+from tiny import seeded_init_, tiny_llama
 from transformers import LlamaConfig
 
 from specdraft.data.vocab import DraftVocab
@@ -46,24 +46,12 @@ NUM_TOKENS = 12  # the marginals use the first 3; every verified position feeds 
 # ---------------------------------------------------------------- models
 
 
-@torch.no_grad()
-def redraw_weights_(model: torch.nn.Module, seed: int, std: float) -> torch.nn.Module:
-    """Every weight matrix ~ N(0, std^2) from a generator seeded with ``seed``; vectors (norm
-    weights) keep their constant init. The model then does not depend on how much global RNG
-    transformers' init consumes."""
-    g = torch.Generator().manual_seed(seed)
-    for param in model.parameters():
-        if param.dim() >= 2:
-            param.copy_(torch.randn(param.shape, generator=g) * std)
-    return model
-
-
 def small_llama(std: float, attention_scale: float = 1.0):
     """A 2-layer, 12-token Llama; weights of std 0.2-0.3 give peaked but not one-hot
     next-token distributions. ``attention_scale`` < 1 damps what attention adds to the
     residual stream, so the current token dominates the prediction."""
     model = tiny_llama(12, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
-    redraw_weights_(model, seed=0, std=std)
+    seeded_init_(model, seed=0, std=std)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(attention_scale)
@@ -107,7 +95,7 @@ def eagle_setup(family: str):
     config = LlamaConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=64, vocab_size=EAGLE_VOCAB, max_position_embeddings=64)  # fmt: skip
     target = FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")
-    redraw_weights_(target.model, seed=0, std=0.5)
+    seeded_init_(target.model, seed=0, std=0.5)
     fam = get_family(family)
     torch.manual_seed(0)  # the drafter's own layers: PyTorch's default init, from a fixed seed
     if family == "eagle1":

@@ -5,7 +5,7 @@ Exact sampling at T > 0 with EAGLE sources is checked in tests/test_decode_stati
 
 import pytest
 import torch
-from test_decode_statistics import redraw_weights_
+from tiny import seeded_init_
 from transformers import LlamaConfig
 
 from specdraft.data.vocab import DraftVocab, top_tokens
@@ -31,7 +31,7 @@ def tiny_target() -> FrozenTarget:
     target = FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")  # low, middle, high of 4 layers
     # Weights of std 0.3 from a seeded generator: peaked next-token distributions, so greedy
     # decoding is not a coin toss, whatever global RNG transformers' init consumes.
-    redraw_weights_(target.model, seed=0, std=0.3)
+    seeded_init_(target.model, seed=0, std=0.3)
     return target
 
 

@@ -87,7 +87,8 @@ def tiny_tokenizer(vocab_size: int = 300, chat_template: str | None = CHAT_TEMPL
 
 
 def tiny_llama(vocab_size: int = 300, seed: int = 0, **overrides):
-    """A 2-layer random Llama (hidden 64) in eval mode; ``overrides`` go to ``LlamaConfig``."""
+    """A 2-layer random Llama (hidden 64) in eval mode; ``overrides`` go to ``LlamaConfig``.
+    Its weights come from ``seeded_init_``: the same under every transformers version."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kwargs = dict(
@@ -104,8 +105,9 @@ def tiny_llama(vocab_size: int = 300, seed: int = 0, **overrides):
         tie_word_embeddings=False,
     )
     kwargs.update(overrides)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    torch.manual_seed(seed)  # for anything the init draws that seeded_init_ then leaves alone (buffers)
+    config = LlamaConfig(**kwargs)
+    return seeded_init_(LlamaForCausalLM(config), seed, std=config.initializer_range).eval()
 
 
 def save_tiny_target(path: str | Path, vocab_size: int = 300, **overrides) -> Path:
@@ -119,7 +121,7 @@ def save_tiny_target(path: str | Path, vocab_size: int = 300, **overrides) -> Pa
 
 
 def seeded_init_(module: torch.nn.Module, seed: int, std: float = 0.02, keep: tuple[str, ...] = ()) -> torch.nn.Module:
-    """Redraw every parameter from a generator of its own, in name order, in place.
+    """Redraw every parameter from a generator of its own, in place.
 
     transformers' ``_init_weights`` changes between versions (what it draws, and in what order),
     so a model built under ``torch.manual_seed`` is not the same model under another transformers.
@@ -129,7 +131,7 @@ def seeded_init_(module: torch.nn.Module, seed: int, std: float = 0.02, keep: tu
     """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+        for name, param in module.named_parameters():  # registration order: the model code's, not the init's
             if not param.is_floating_point() or name in keep:
                 continue
             if "norm" in name and param.dim() == 1:
