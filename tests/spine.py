@@ -160,6 +160,7 @@ class KilledRun:
     tmp: Path
     recipe: dict  # checkpoint.output_dir is set per run
     kill_at_call: int  # the probe's training micro-batch that kills the process
+    checkpoint_step: int  # the step of the last checkpoint before the kill: where a resume starts
     launcher: object = None  # () -> launcher argv (a fresh port each launch), or None: one plain process
     env: dict | None = None
 
@@ -181,6 +182,13 @@ class KilledRun:
         """Resume a copy of the killed run; returns the finished process and the copy's folder."""
         shutil.copytree(self.killed, self.tmp / name / "run")
         return self._train(name, ["--resume"], env), self.tmp / name / "run"
+
+    def check_resume(self, name: str, env: dict | None = None) -> None:
+        """Resume a copy: it must say so, log the remaining steps and end at the straight run's weights."""
+        out, run_dir = self.resume(name, env)
+        assert out.returncode == 0, out.stderr[-5000:]
+        assert_resumed_exactly(self.straight, run_dir, out.stdout + out.stderr, self.checkpoint_step,
+                               self.recipe["training"]["max_steps"])
 
     def _train(self, name: str, flags: list[str], env: dict | None = None):
         recipe = json.loads(json.dumps(self.recipe))

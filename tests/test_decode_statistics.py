@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import pytest
 import torch
-from test_verify_statistics import Check, assert_all_pass, l1, l1_check, martingale_check
+from test_verify_statistics import Check, assert_all_pass, l1_check, martingale_check
 from tiny import seeded_init_, tiny_llama
 from transformers import LlamaConfig
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from specdraft.checkpoint import _zero_state_classes, checkpoint_dirs
-from spine import (KilledRun, assert_resumed_exactly, assert_same_weights, built_once, drafter_weights, free_port,
+from spine import (KilledRun, assert_same_weights, built_once, drafter_weights, free_port,
                    make_chat_data, make_recipe, run_cli, write_recipe)
 from tiny import save_tiny_target
 
@@ -78,7 +78,7 @@ def deepspeed_setup(tmp_path_factory):
 def zero3_killed_run(deepspeed_setup, folder: Path) -> KilledRun:
     config = folder / "deepspeed_zero3.yaml"  # written by launcher_config when the runs are built
     return KilledRun(folder, probe_recipe(deepspeed_setup["tmp"], "zero3", 2), kill_at_call=(KILL_AT_STEP - 1) * 2 + 1,
-                     launcher=lambda: deepspeed_launcher(config), env=DS_ENV)
+                     checkpoint_step=KILL_AT_STEP - 1, launcher=lambda: deepspeed_launcher(config), env=DS_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +131,5 @@ def test_zero3_two_processes_match_one_process_with_double_accumulation(deepspee
     assert all(0 < h < total for h in held) and sum(held) >= total, (held, total)
 
 
-def check_zero3_resume_after_kill_9(runs: KilledRun, name: str, env: dict | None = None) -> None:
-    out, run_dir = runs.resume(name, env)
-    assert out.returncode == 0, out.stderr[-5000:]
-    assert_resumed_exactly(runs.straight, run_dir, out.stdout + out.stderr, KILL_AT_STEP - 1, STEPS)
-
-
 def test_zero3_resume_after_kill_9_gives_the_same_weights(zero3_runs):
-    check_zero3_resume_after_kill_9(zero3_runs, "resumed")
+    zero3_runs.check_resume("resumed")

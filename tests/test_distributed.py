@@ -18,7 +18,7 @@ from specdraft.checkpoint import checkpoint_dirs
 from specdraft.config import parse_recipe
 from specdraft.errors import SpecdraftError
 from specdraft.train import train
-from spine import (DDP_ENV, SAME_WEIGHTS_REL, KilledRun, assert_logged_lr_schedule, assert_resumed_exactly,
+from spine import (DDP_ENV, SAME_WEIGHTS_REL, KilledRun, assert_logged_lr_schedule,
                    assert_same_weights, built_once, ddp_launcher, largest_relative_change, make_chat_data, make_recipe,
                    write_recipe)
 from tiny import save_tiny_target
@@ -75,7 +75,7 @@ def ddp_runs(folder: Path) -> KilledRun:
                          training={"max_steps": DDP_STEPS}, checkpoint={"save_every": DDP_SAVE_EVERY})
     accumulation = recipe["training"]["grad_accumulation"]
     return KilledRun(folder, recipe, kill_at_call=(DDP_KILL_AT_STEP - 1) * accumulation + 1,
-                     launcher=lambda: ddp_launcher(2), env=DDP_ENV)
+                     checkpoint_step=DDP_KILL_AT_STEP - 1, launcher=lambda: ddp_launcher(2), env=DDP_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -93,18 +93,12 @@ def ddp_killed_run(tmp_path_factory) -> KilledRun:
     return runs
 
 
-def check_ddp_resume_after_kill_9(runs: KilledRun, name: str, env: dict | None = None) -> None:
-    out, run_dir = runs.resume(name, env)
-    assert out.returncode == 0, out.stderr[-5000:]
-    assert_resumed_exactly(runs.straight, run_dir, out.stdout + out.stderr, DDP_KILL_AT_STEP - 1, DDP_STEPS)
-
-
 def test_two_process_resume_after_kill_9_restores_every_process_rng(ddp_killed_run):
     # The two processes' streams really differ at the checkpoint, so giving both rank 0's is a bug to see.
     ckpt = checkpoint_dirs(ddp_killed_run.killed)[-1]
     rng = [torch.load(ckpt / f"rng-rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
-    check_ddp_resume_after_kill_9(ddp_killed_run, "resumed")
+    ddp_killed_run.check_resume("resumed")
 
 
 def test_two_processes_step_the_schedule_once_per_optimizer_step(ddp_killed_run):

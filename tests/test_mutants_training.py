@@ -12,12 +12,12 @@ from transformers import get_scheduler
 
 from specdraft import features as features_module
 from specdraft import train as train_module
-from test_deepspeed import check_zero3_resume_after_kill_9, deepspeed_setup, zero3_runs  # noqa: F401  (fixtures)
-from test_distributed import check_ddp_resume_after_kill_9, ddp_killed_run  # noqa: F401  (a fixture)
+from test_deepspeed import deepspeed_setup, zero3_runs  # noqa: F401  (fixtures)
+from test_distributed import ddp_killed_run  # noqa: F401  (a fixture)
 from test_features import check_a_cache_of_another_target_is_refused
 from test_train import (  # noqa: F401  (data, fresh_accelerate_state, killed_run, target_dir: fixtures)
     check_bf16_mixed_precision_trains_and_resumes_exactly, check_end_to_end_learns_and_writes_a_self_describing_run,
-    check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor, check_resume_after_kill_9,
+    check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor,
     check_signal_saves_a_checkpoint_and_exits_0, data, fresh_accelerate_state, killed_run, target_dir)
 
 
@@ -31,20 +31,20 @@ from test_train import (  # noqa: F401  (data, fresh_accelerate_state, killed_ru
 ])
 def test_kill_9_resume_check_catches(killed_run, mutant, failure):
     with pytest.raises(AssertionError, match=failure):
-        check_resume_after_kill_9(killed_run, mutant, env={"PROBE_MUTANT": mutant})
+        killed_run.check_resume(mutant, env={"PROBE_MUTANT": mutant})
 
 
 def test_two_process_resume_check_catches_every_process_getting_rank_0s_rng(ddp_killed_run):
     mutant = "rank0_rng_everywhere"
     with pytest.raises(AssertionError, match="resumed weights differ"):
-        check_ddp_resume_after_kill_9(ddp_killed_run, mutant, env={"PROBE_MUTANT": mutant})
+        ddp_killed_run.check_resume(mutant, env={"PROBE_MUTANT": mutant})
 
 
 def test_zero3_resume_check_catches_a_resume_that_starts_over(zero3_runs):
     # As in one process, ZeRO-3 starting over reaches the straight run's weights: the log tells.
     mutant = "resume_from_scratch"
     with pytest.raises(AssertionError, match="did not print that it resumed at step 4"):
-        check_zero3_resume_after_kill_9(zero3_runs, mutant, env={"PROBE_MUTANT": mutant})
+        zero3_runs.check_resume(mutant, env={"PROBE_MUTANT": mutant})
 
 
 def test_signal_check_catches_sigint_not_handled(tmp_path, target_dir, data):

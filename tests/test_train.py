@@ -14,7 +14,7 @@ from specdraft.checkpoint import checkpoint_dirs, find_drafter_dir
 from specdraft.config import parse_recipe
 from specdraft.errors import SpecdraftError
 from specdraft.train import make_scheduler, train
-from spine import (KilledRun, assert_logged_lr_schedule, assert_resumed_exactly, built_once, make_chat_data,
+from spine import (KilledRun, assert_logged_lr_schedule, built_once, make_chat_data,
                    make_recipe, read_metrics, run_cli, write_recipe)
 from tiny import save_tiny_target
 
@@ -86,7 +86,8 @@ def kill_9_runs(folder: Path) -> KilledRun:
     recipe = make_recipe(folder, folder / "target", folder / "chat.jsonl",
                          training={"max_steps": KILL_STEPS}, checkpoint={"save_every": KILL_SAVE_EVERY})
     accumulation = recipe["training"]["grad_accumulation"]
-    return KilledRun(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * accumulation + 1)
+    return KilledRun(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * accumulation + 1,
+                     checkpoint_step=KILL_AT_STEP - 1)
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +104,8 @@ def killed_run(tmp_path_factory) -> KilledRun:
     return runs
 
 
-def check_resume_after_kill_9(killed_run: KilledRun, name: str, env: dict | None = None) -> None:
-    out, run_dir = killed_run.resume(name, env)
-    assert out.returncode == 0, out.stderr[-5000:]
-    assert_resumed_exactly(killed_run.straight, run_dir, out.stdout + out.stderr, KILL_AT_STEP - 1, KILL_STEPS)
-
-
 def test_resume_after_kill_9_gives_identical_weights(killed_run):
-    check_resume_after_kill_9(killed_run, "resumed")
+    killed_run.check_resume("resumed")
 
 
 def check_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, signal_name, env=None):
