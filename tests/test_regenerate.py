@@ -9,6 +9,7 @@ from specdraft.data import regenerate as regen
 from specdraft.data.chat import render
 from specdraft.data.regenerate import generate_batch, read_done, regenerate
 from specdraft.errors import SpecdraftError
+from specdraft.evaluation.suites import load_suite
 
 MAX_NEW = 6
 
@@ -120,6 +121,19 @@ def test_resume_after_a_kill_mid_write(tmp_path, model, tokenizer, with_ids):
     assert partial.read_text() == expected
     assert regenerate(model, tokenizer, data, partial, max_new_tokens=MAX_NEW, batch_size=2) == 0  # nothing left
     assert partial.read_text() == expected
+
+
+def test_a_line_separator_inside_a_record_does_not_split_it(tmp_path):
+    """regenerate writes JSON with ensure_ascii=False, so U+2028 (a line boundary to str.splitlines)
+    reaches the file raw; one record in the shared training prompts holds one."""
+    out = tmp_path / "out.jsonl"
+    records = [{"id": 1, "text": "one\u2028two\x85three"}, {"id": 2, "text": "plain"}]
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert read_done(out) == records
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(json.dumps({"question_id": 1, "category": "c", "turns": ["a\u2028b"]}, ensure_ascii=False) + "\n",
+                     encoding="utf-8")
+    assert load_suite(suite)[0].turns == ["a\u2028b"]
 
 
 def test_corrupt_complete_line_refuses_to_resume(tmp_path):

@@ -71,7 +71,9 @@ def read_done(output_path: Path) -> list[dict]:
         with open(output_path, "r+b") as f:
             f.truncate(len(complete))
     done = []
-    for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
+    # split("\n"), not splitlines(): a JSON string written with ensure_ascii=False may hold U+2028,
+    # U+0085 or \x1c, on which splitlines() would cut a record in two.
+    for number, line in enumerate(complete.decode("utf-8").split("\n"), 1):
         if line.strip():
             try:
                 done.append(json.loads(line))

@@ -76,7 +76,8 @@ def prompt_token_ids(tokenizer, prompt: Prompt, answers: list[str] = (), prefix_
 
 def _read_jsonl(path: Path) -> list[Prompt]:
     prompts = []
-    for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    # split("\n"): splitlines() would also cut at a U+2028 inside a JSON string
+    for line_number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}, line {line_number}"
