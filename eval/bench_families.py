@@ -85,34 +85,48 @@ def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt], str]:
 
 def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
                    dtype: str) -> tuple[Path, dict]:
-    """The target's own greedy answers, cached under a stamp of everything they depend on."""
+    """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl.
+
+    Every answer the target gave under these settings accumulates in NAME.all.jsonl, which
+    ``regenerate`` resumes by prompt id: asking for more prompts later answers only the new ones,
+    and a killed run loses at most one batch. NAME.jsonl is the asked-for subset, rewritten each run.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdraft.data.regenerate import regenerate
+    from specdraft.data.regenerate import id_field_of, read_done, regenerate
 
-    answers = work / "data" / f"{name}.jsonl"
+    everything, selected = work / "data" / f"{name}.all.jsonl", work / "data" / f"{name}.jsonl"
     stamp = {"target": str(target_dir.resolve()), "weights": (target_dir / "model.safetensors").stat().st_mtime,
-             "prompts": digest(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype}
-    stamp_file = answers.with_suffix(".stamp.json")
-    answers.parent.mkdir(parents=True, exist_ok=True)
+             "max_new_tokens": max_new_tokens, "dtype": dtype}
+    stamp_file = everything.with_suffix(".stamp.json")
+    everything.parent.mkdir(parents=True, exist_ok=True)
     saved = json.loads(stamp_file.read_text()) if stamp_file.is_file() else {}
     if {key: saved.get(key) for key in stamp} != stamp:
-        answers.unlink(missing_ok=True)  # regenerate appends and resumes: never mix two targets' answers
-        stamp_file.write_text(json.dumps(stamp))  # written first, so a killed run resumes its own answers
-    elif answers.is_file() and len(answers.read_text().split("\n")) - 1 == len(prompts):
-        print(f"reusing {answers} ({len(prompts)} answers)")
-        return answers, {**json.loads(stamp_file.read_text()).get("record", {}), "reused": True}
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    started = time.perf_counter()
-    written = regenerate(model, tokenizer, write_jsonl(work / "data" / f"{name}.prompts.jsonl", prompts), answers,
-                         max_new_tokens=max_new_tokens, batch_size=16)
-    seconds = time.perf_counter() - started
-    print(f"the target answered {written} prompts in {seconds:.0f} s ({written / seconds:.2f} prompts/s) -> {answers}")
-    record = {"prompts": len(prompts), "answered_in_last_run": written, "seconds": round(seconds, 1),
-              "prompts_per_second": round(written / seconds, 3)}
-    stamp_file.write_text(json.dumps({**stamp, "record": record}))
-    return answers, record
+        everything.unlink(missing_ok=True)  # never mix two targets' (or settings') answers
+        stamp_file.write_text(json.dumps(stamp))
+        saved = stamp
+    id_field = id_field_of(prompts)
+    if id_field is None:
+        sys.exit(f"the {name} prompts need a unique id field (id or question_id) to be cached by id")
+    answered = {record[id_field] for record in read_done(everything)}
+    todo = [p for p in prompts if p[id_field] not in answered]
+    record = saved.get("record", {})
+    if todo:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        started = time.perf_counter()
+        written = regenerate(model, tokenizer, write_jsonl(work / "data" / f"{name}.prompts.jsonl", todo), everything,
+                             max_new_tokens=max_new_tokens, batch_size=16)
+        seconds = time.perf_counter() - started
+        print(f"the target answered {written} prompts in {seconds:.0f} s ({written / seconds:.2f} prompts/s)")
+        record = {"answered_in_last_run": written, "seconds": round(seconds, 1),
+                  "prompts_per_second": round(written / seconds, 3)}
+        stamp_file.write_text(json.dumps({**stamp, "record": record}))
+    else:
+        print(f"reusing the target's {len(prompts)} answers in {everything}")
+    by_id = {r[id_field]: r for r in read_done(everything)}
+    write_jsonl(selected, [by_id[p[id_field]] for p in prompts])
+    return selected, {"prompts": len(prompts), **record}
 
 
 # -- 2. train ---------------------------------------------------------------------------------------
