@@ -400,7 +400,8 @@ def _eagle1_kind(saved: dict, engine_models: dict[str, str], engine: str) -> str
     if kind not in engine_models:
         raise SpecdraftError(
             f"{engine} has EAGLE-1 models for {', '.join(engine_models.values())} only; this drafter's layer is a "
-            f"{model_type} layer. Export --format hf, or train EAGLE-3 (its draft layer is a Llama layer on any target)."
+            f"{model_type} layer. Export --format hf, or train EAGLE-3 (its draft layer is a Llama layer on any "
+            "target)."
         )
     return kind
 
@@ -647,7 +648,8 @@ SERVE_HINTS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a run folder (final drafter, else newest checkpoint) or a drafter folder")
+    parser.add_argument("run", metavar="RUN",
+                        help="a run folder (final drafter, else newest checkpoint) or a drafter folder")
     parser.add_argument("--format", required=True, help=f"one of {', '.join(FORMATS)}")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -78,8 +78,8 @@ def cache_home() -> Path:
 def load_target(recipe: Recipe, device) -> FrozenTarget:
     cfg = recipe.target
     return FrozenTarget.from_pretrained(
-        resolve_target_path(cfg.path, cfg.dtype), dtype=cfg.dtype, taps=cfg.taps, trust_remote_code=cfg.trust_remote_code,
-        device=device, attn_implementation=cfg.attn_implementation,
+        resolve_target_path(cfg.path, cfg.dtype), dtype=cfg.dtype, taps=cfg.taps,
+        trust_remote_code=cfg.trust_remote_code, device=device, attn_implementation=cfg.attn_implementation,
     )
 
 

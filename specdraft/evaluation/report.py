@@ -193,10 +193,13 @@ def _mismatch_notes(method: str, found: list[dict]) -> list[str]:
              + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()) + "); rounding = the target's "
              "top-2 logits were within its dtype's rounding there (see specdraft/evaluation/mismatch.py)"]
     for m in found:
-        if m["verdict"] == "defect":
-            detail = (f"top-2 gap {m['one_token']['gap']:.3g} (1-token forward) / {m['verify']['gap']:.3g} (verify "
-                      f"forward) > rounding bound {m['rounding_bound']:.3g} ({m['dtype']})") if "one_token" in m else m["why"]
-            notes.append(f"DEFECT: {method} on {m['prompt']} differs at token {m['position']}: {detail}")
+        if m["verdict"] != "defect":
+            continue
+        detail = m.get("why")
+        if "one_token" in m:
+            detail = (f"top-2 gap {m['one_token']['gap']:.3g} (1-token forward) / {m['verify']['gap']:.3g} "
+                      f"(verify forward) > rounding bound {m['rounding_bound']:.3g} ({m['dtype']})")
+        notes.append(f"DEFECT: {method} on {m['prompt']} differs at token {m['position']}: {detail}")
     return notes
 
 
