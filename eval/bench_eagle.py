@@ -134,6 +134,17 @@ def draft_vocab_coverage(drafter, target_dir: Path, tokenizer) -> float:
     return drafter.t2d[ids].float().mean().item()
 
 
+def evaluate_at_temperatures(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path) -> dict:
+    """One `evaluate` per temperature: every drafter, prompt lookup and plain decoding, chain K."""
+    results = {}
+    for temperature in TEMPERATURES:
+        sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
+        sources["prompt-lookup"] = PromptLookupSource()
+        results[temperature] = evaluate(target, sources, prompts, SamplingParams(temperature=temperature), k=K,
+                                        max_new_tokens=max_new_tokens, out_dir=out / f"temperature-{temperature:g}")
+    return results
+
+
 def markdown_table(result: dict) -> str:
     """method | tau | acceptance at draft positions 1..K | alpha measured, predicted | c | tok/s | speedup."""
     header = ["method", "tau", *[f"pos {i}" for i in range(1, K + 1)], "alpha", "alpha pred", "c", "tok/s", "speedup"]
@@ -184,13 +195,7 @@ def main() -> None:
     drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
     prompts = [Prompt(id=str(p["question_id"]), suite="toy-heldout", category=p["category"], kind="question",
                       turns=p["turns"]) for p in eval_set]
-    results = {}
-    for temperature in TEMPERATURES:
-        sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
-        sources["prompt-lookup"] = PromptLookupSource()
-        results[temperature] = evaluate(target, sources, prompts, SamplingParams(temperature=temperature), k=K,
-                                        max_new_tokens=args.max_new_tokens,
-                                        out_dir=work / "eval" / f"temperature-{temperature:g}")
+    results = evaluate_at_temperatures(target, drafters, prompts, args.max_new_tokens, work / "eval")
 
     print(f"\n## EAGLE-1 vs EAGLE-3 vs prompt lookup ({target_dir.name}, {args.eval_prompts} held-out prompts, "
           f"K={K}, max {args.max_new_tokens} new tokens, {args.threads} threads)")

@@ -36,17 +36,13 @@ from pathlib import Path
 
 import torch
 
-from bench_eagle import eval_history, markdown_table
+from bench_eagle import K, evaluate_at_temperatures, eval_history, markdown_table
 from specdraft.decoding.sampling import SamplingParams
-from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import FAMILIES, load_drafter
-from specdraft.evaluation.run import evaluate
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.quickstart import RECIPES_DIR, heldout_prompt_sets, toy_prompts, write_jsonl
 from specdraft.target import FrozenTarget, resolve_target_path
 
-K = 5
-TEMPERATURES = (0.0, 1.0)
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"  # beside the checkout; never copied into it
 RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m", "toy": "toy"}
 
@@ -291,13 +287,7 @@ def main() -> None:
         trained[family]["trainable_parameters"] = sum(p.numel() for p in drafter.trainable_parameters())
         trained[family]["exports"] = export_round_trips(family, Path(trained[family]["drafter"]).parent, target,
                                                         drafter, work)
-    results = {}
-    for temperature in TEMPERATURES:
-        sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
-        sources["prompt-lookup"] = PromptLookupSource()
-        results[temperature] = evaluate(target, sources, eval_prompts, SamplingParams(temperature=temperature), k=K,
-                                        max_new_tokens=args.max_new_tokens,
-                                        out_dir=work / "eval" / f"temperature-{temperature:g}")
+    results = evaluate_at_temperatures(target, drafters, eval_prompts, args.max_new_tokens, work / "eval")
     plot_tau_by_category(results, work / "tau_by_category.png")
 
     lines = [f"## Drafter families on {args.target} ({len(eval_prompts)} prompts from {source}, K={K}, "
