@@ -256,6 +256,8 @@ def main() -> None:
                              "differs from fp32 greedy only at near-ties")
     parser.add_argument("--per-category", type=int, default=3, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=None, help="every family's step budget (default: its recipe's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for every family (repeatable), e.g. training.eval_every=25")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the answers and the eval")
@@ -273,7 +275,7 @@ def main() -> None:
     heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
                                         args.answer_dtype)
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
-                 "eval.enabled=false"] + ([f"training.max_steps={args.steps}"] if args.steps else [])
+                 "eval.enabled=false"] + ([f"training.max_steps={args.steps}"] if args.steps else []) + args.set
     trained = train_all(families, prefix, overrides, work, args.train_jobs, [answers, heldout_answers])
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32", taps="eagle3")
