@@ -622,8 +622,10 @@ def load_exported(path: str | Path, target):
             f"{path} was changed after export ({', '.join(changed)} differ from what specdraft writes for its "
             "drafter), so an engine would not run the trained drafter. Export it again."
         )
-    own = target.embed_tokens.weight
-    if ships_embedding and not torch.equal(tensors[EMBED].to(device=own.device, dtype=own.dtype), own):
+    # Compared in the export's dtype: a bf16 export of a target read back in fp32 ships the same
+    # embedding rounded to bf16, not another target's.
+    shipped = tensors.get(EMBED)
+    if ships_embedding and not torch.equal(shipped, target.embed_tokens.weight.detach().to("cpu", shipped.dtype)):
         raise SpecdraftError(
             f"{path} ships a token embedding that is not this target's: it was exported for another target. "
             "Load it with the target named at export, or export again with --target."
