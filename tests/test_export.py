@@ -1105,3 +1105,20 @@ def test_cli(e3, tmp_path, capsys):
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(e3[2]), "--format", "sglang", "--out", str(tmp_path / "s"), "--target", "/no/x"]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+def test_a_bf16_export_reads_back_on_the_float32_target(tmp_path):
+    """Trained on a bf16 copy of the target, read back on its float32 original (`specdraft eval`'s CPU
+    default): the shipped embedding is the original's rounded to bf16, not another target's."""
+    import copy
+
+    original = tiny_target(taps="eagle3", seed=5)
+    rounded = copy.deepcopy(original)
+    rounded.model.to(torch.bfloat16)
+    drafter = eagle3(rounded)
+    out = export(make_run(tmp_path, drafter, save_target(rounded, tmp_path / "target")), "sglang", tmp_path / "sg")
+    shipped = load_file(out / "model.safetensors")["embed_tokens.weight"]
+    assert shipped.dtype == torch.bfloat16 and not torch.equal(shipped.float(), original.embed_tokens.weight)
+    assert torch.equal(load_exported(out, original).lm_head.weight, drafter.lm_head.weight)
+    with pytest.raises(SpecdraftError, match="not this target's"):  # another target is still refused
+        load_exported(out, tiny_target(taps="eagle3", seed=6))
