@@ -66,6 +66,9 @@ def sigint_not_handled():
             self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
             return self
 
+    # What a process started from a terminal has. A process started in the background by a
+    # non-interactive shell inherits SIGINT ignored instead, and would then finish its run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     train.StopRequested = SigtermOnly
 
 

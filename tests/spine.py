@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tiny import CORPUS, assert_close
+from tiny import CORPUS, assert_close, save_tiny_target
 
 TESTS = Path(__file__).resolve().parent
 
@@ -147,6 +147,17 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
             build(folder)
             (folder / ".built").touch()
     return folder
+
+
+def built_killed_run(tmp_path_factory, name: str, killed_run_in, samples: int = 27) -> "KilledRun":
+    """A tiny target, ``samples`` chat samples, and the straight and killed runs that
+    ``killed_run_in(folder)`` describes, built once per session (``built_once``)."""
+    def build(folder):
+        save_tiny_target(folder / "target")
+        make_chat_data(folder / "chat.jsonl", n=samples)
+        killed_run_in(folder).build()
+
+    return killed_run_in(built_once(tmp_path_factory, name, build))
 
 
 @dataclass

@@ -19,8 +19,8 @@ from specdraft.config import parse_recipe
 from specdraft.errors import SpecdraftError
 from specdraft.train import train
 from spine import (DDP_ENV, SAME_WEIGHTS_REL, KilledRun, assert_logged_lr_schedule,
-                   assert_same_weights, built_once, ddp_launcher, largest_relative_change, make_chat_data, make_recipe,
-                   write_recipe)
+                   assert_same_weights, built_killed_run, ddp_launcher, largest_relative_change, make_chat_data,
+                   make_recipe, write_recipe)
 from tiny import save_tiny_target
 
 
@@ -80,12 +80,7 @@ def ddp_runs(folder: Path) -> KilledRun:
 
 @pytest.fixture(scope="module")
 def ddp_killed_run(tmp_path_factory) -> KilledRun:
-    def build(folder):
-        save_tiny_target(folder / "target")
-        make_chat_data(folder / "chat.jsonl", n=27)
-        ddp_runs(folder).build()
-
-    runs = ddp_runs(built_once(tmp_path_factory, "ddp-kill-9", build))
+    runs = built_killed_run(tmp_path_factory, "ddp-kill-9", ddp_runs)
     (last,) = checkpoint_dirs(runs.killed)
     state = json.loads((last / "trainer_state.json").read_text())
     assert state["world_size"] == 2, "accelerate ran one process: the test would prove nothing"

@@ -14,7 +14,7 @@ from specdraft.checkpoint import checkpoint_dirs, find_drafter_dir
 from specdraft.config import parse_recipe
 from specdraft.errors import SpecdraftError
 from specdraft.train import make_scheduler, train
-from spine import (KilledRun, assert_logged_lr_schedule, built_once, make_chat_data,
+from spine import (KilledRun, assert_logged_lr_schedule, built_killed_run, make_chat_data,
                    make_recipe, read_metrics, run_cli, write_recipe)
 from tiny import save_tiny_target
 
@@ -92,12 +92,7 @@ def kill_9_runs(folder: Path) -> KilledRun:
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory) -> KilledRun:
-    def build(folder):
-        save_tiny_target(folder / "target")
-        make_chat_data(folder / "chat.jsonl", n=27)
-        kill_9_runs(folder).build()
-
-    runs = kill_9_runs(built_once(tmp_path_factory, "kill-9", build))
+    runs = built_killed_run(tmp_path_factory, "kill-9", kill_9_runs)
     assert [p.name for p in checkpoint_dirs(runs.killed)] == ["step-0000004", "step-0000008"]
     position = json.loads((checkpoint_dirs(runs.killed)[-1] / "trainer_state.json").read_text())["run"]
     assert (position["epoch"], position["batches_in_epoch"]) == (1, 4), "the checkpoint is not inside epoch 1"
