@@ -49,7 +49,8 @@ NAMED_TARGETS = {
 
 
 def cache_home() -> Path:
-    """Where reusable derived files live: $SPECDRAFT_CACHE or ~/.cache/specdraft."""
+    """Where reusable derived files (converted targets, draft vocabularies) live: $SPECDRAFT_CACHE or
+    ~/.cache/specdraft."""
     return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
 

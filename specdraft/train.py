@@ -26,6 +26,7 @@ from .checkpoint import checkpoint_dirs, full_parameters, load_checkpoint, save_
 from .config import Recipe
 from .drafters import get_family, load_drafter
 from .errors import SpecdraftError
+from .named_targets import cache_home
 from .target import FrozenTarget, resolve_target_path
 
 
@@ -68,11 +69,6 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, is_main: bool)
         )
     if exists and overwrite and is_main:
         shutil.rmtree(run_dir)
-
-
-def cache_home() -> Path:
-    """Where reusable derived files (draft vocabularies) live: $SPECDRAFT_CACHE or ~/.cache/specdraft."""
-    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
 
 def load_target(recipe: Recipe, device) -> FrozenTarget:
