@@ -17,7 +17,11 @@ and head kept), briefly distilled on the target's distribution (forward KL) over
 source: a random draft would give alpha ~ 0 and say nothing.
 
   python eval/bench_decode.py                      # the shipped toy target
+  python eval/bench_decode.py --target smollm2-135m-instruct --draft-layers 0   # a real chat model, lookup only
   python eval/bench_decode.py --target DIR --num-prompts 8 --max-new-tokens 128 -k 4
+
+--draft-layers 0 leaves out the draft-LM rows (distilling a draft of a 135M target takes an hour on
+2 CPU cores); plain decoding, transformers' generate and prompt lookup still run and are checked.
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ from transformers import AutoTokenizer
 
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
 from specdraft.decoding.speculative import plain_decode, speculative_decode
-from specdraft.evaluation.metrics import draft_cost_ratio, measured_alpha, predicted_speedup
+from specdraft.evaluation.metrics import (
+    draft_cost_ratio,
+    measured_alpha,
+    predicted_speedup,
+)
 from specdraft.target import FrozenTarget, resolve_target_path
 
 
@@ -106,8 +114,9 @@ def code_prompts(tokenizer, files: list[Path], count: int, prompt_tokens: int) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="toy", help="target folder ('toy' = the shipped toy target)")
-    parser.add_argument("--draft-layers", type=int, default=3)
+    parser.add_argument("--target", default="toy",
+                        help="target folder, 'toy' (the shipped toy target) or a named target (smollm2-135m-instruct)")
+    parser.add_argument("--draft-layers", type=int, default=3, help="0 = no draft LM (prompt lookup only)")
     parser.add_argument("--distill-steps", type=int, default=600)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -126,13 +135,15 @@ def main(argv=None) -> int:
     files = stdlib_files(args.seed)
     prompt_files, distill_files = files[:200], files[200:]
     prompts = code_prompts(tokenizer, prompt_files, args.num_prompts, args.prompt_tokens)
-    rows = token_rows(tokenizer, distill_files, seq_len=128, max_rows=2000)
-    draft = truncated_copy(model, args.draft_layers)
-    draft = distill(draft, model, rows, args.distill_steps, batch_size=8, lr=2e-3, seed=args.seed)
-    draft.requires_grad_(False)
-    draft.generation_config.num_assistant_tokens = args.k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0  # 0 = off: always draft K
+    rows = token_rows(tokenizer, distill_files, seq_len=128, max_rows=2000) if args.draft_layers else None
+    draft = None
+    if args.draft_layers:
+        draft = truncated_copy(model, args.draft_layers)
+        draft = distill(draft, model, rows, args.distill_steps, batch_size=8, lr=2e-3, seed=args.seed)
+        draft.requires_grad_(False)
+        draft.generation_config.num_assistant_tokens = args.k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0  # 0 = off: always draft K
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     k, max_new = args.k, args.max_new_tokens
@@ -149,14 +160,15 @@ def main(argv=None) -> int:
         out = speculative_decode(target, source, torch.tensor([ids]), k=k, max_new_tokens=max_new, eos_token_ids=eos)
         return out.tokens, out.steps
 
-    methods = {
-        "plain (specdraft)": lambda ids: ours(ids),
-        "plain (HF generate)": lambda ids: hf(ids),
-        f"HF assisted generation, draft LM (K={k})": lambda ids: hf(ids, assistant_model=draft),
-        f"specdraft, draft LM (K={k})": lambda ids: ours(ids, DraftLMSource(draft)),
-        f"HF prompt lookup (K={k})": lambda ids: hf(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=3),
-        f"specdraft, prompt lookup (K={k})": lambda ids: ours(ids, PromptLookupSource(max_ngram=3)),
-    }
+    methods = {"plain (specdraft)": lambda ids: ours(ids), "plain (HF generate)": lambda ids: hf(ids)}
+    pairs = []  # (transformers' method, specdraft's counterpart)
+    if draft is not None:
+        pairs.append((f"HF assisted generation, draft LM (K={k})", f"specdraft, draft LM (K={k})"))
+        methods[pairs[-1][0]] = lambda ids: hf(ids, assistant_model=draft)
+        methods[pairs[-1][1]] = lambda ids: ours(ids, DraftLMSource(draft))
+    pairs.append((f"HF prompt lookup (K={k})", f"specdraft, prompt lookup (K={k})"))
+    methods[pairs[-1][0]] = lambda ids: hf(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
+    methods[pairs[-1][1]] = lambda ids: ours(ids, PromptLookupSource(max_ngram=3))
     for fn in methods.values():  # warm-up
         fn(prompts[0][:16])
 
@@ -177,9 +189,11 @@ def main(argv=None) -> int:
     rate = {name: sum(map(len, tokens[name])) / seconds[name] for name in methods}
     plain_rate = rate[names[0]]
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"\ntarget {path}: {params:.1f}M params, {target.num_layers} layers; draft LM: its first "
-          f"{args.draft_layers} layers, distilled {args.distill_steps} steps; {len(prompts)} prompts x "
-          f"{max_new} new tokens; greedy, float32, CPU, {args.threads} thread(s)\n")
+    drafted = (f"draft LM: its first {args.draft_layers} layers, distilled {args.distill_steps} steps"
+               if draft is not None else "no draft LM (--draft-layers 0)")
+    print(f"\ntarget {args.target} ({path}): {params:.1f}M params, {target.num_layers} layers; {drafted}; "
+          f"{len(prompts)} prompts x {max_new} new tokens; greedy, float32, CPU, {args.threads} thread(s)\n")
+    print(f"`python eval/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n")
     print("| method | tokens/s | speedup vs plain | identical to HF greedy | alpha | tau | c |")
     print("|---|---:|---:|---|---:|---:|---:|")
     for name in methods:
@@ -189,7 +203,7 @@ def main(argv=None) -> int:
                  f"{draft_cost_ratio(s):.3f}") if s else "- | - | -"  # fmt: skip
         print(f"| {name} | {rate[name]:.1f} | {rate[name] / plain_rate:.2f}x | {same}/{len(prompts)} | {stats} |")
 
-    for hf_name, spec_name in ((names[2], names[3]), (names[4], names[5])):
+    for hf_name, spec_name in pairs:
         s = steps[spec_name]
         alpha, c = measured_alpha(s), draft_cost_ratio(s)
         predicted = predicted_speedup(alpha, k, c)

@@ -32,9 +32,14 @@ from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import load_drafter
 from specdraft.evaluation.run import evaluate
 from specdraft.evaluation.suites import Prompt
-from specdraft.quickstart import HELDOUT_ANSWERS, RECIPES_DIR, heldout_prompt_sets, toy_prompts, write_jsonl
+from specdraft.quickstart import HELDOUT_ANSWERS, RECIPES_DIR, write_jsonl
 from specdraft.target import FrozenTarget, resolve_target_path
-from specdraft.toy_target import definition_prompts, list_source_files
+from specdraft.toy_target import (
+    definition_prompts,
+    heldout_prompt_sets,
+    list_source_files,
+    toy_prompts,
+)
 
 K = 5
 TEMPERATURES = (0.0, 1.0)

@@ -35,13 +35,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from bench_eagle import K, eval_history, evaluate_at_temperatures, markdown_table
 
-from bench_eagle import K, evaluate_at_temperatures, eval_history, markdown_table
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, load_drafter
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
-from specdraft.quickstart import RECIPES_DIR, heldout_prompt_sets, toy_prompts, write_jsonl
+from specdraft.quickstart import RECIPES_DIR, write_jsonl
 from specdraft.target import FrozenTarget, resolve_target_path
+from specdraft.toy_target import heldout_prompt_sets, toy_prompts
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"  # beside the checkout; never copied into it
 RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m", "toy": "toy"}

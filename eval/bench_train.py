@@ -1,24 +1,33 @@
-"""Training throughput on the toy target: tokens/s, and one training step against the target forward alone.
+"""Training throughput: tokens/s, a step against the target forward alone, and peak memory.
 
-Runs the real ``specdraft train`` path (recipes/toy_eagle3.yaml) on plain-text chunks of the
-toy target's training files, then reads the run's metrics.jsonl. The loop times the target
-forward inside each step, so both figures come from the same run. Host timers: on CPU that is
-exact; on CUDA run with CUDA_LAUNCH_BLOCKING=1 for a meaningful split.
+    python eval/bench_train.py --target smollm2-135m-instruct         # EAGLE-1 and EAGLE-3, online and offline
+    python eval/bench_train.py --target toy --families eagle3 --modes online
+    python eval/bench_train.py --target smollm2-135m-instruct --set training.mixed_precision=bf16
 
-    python eval/bench_train.py [--steps 40] [--family eagle3|eagle1] [--micro-batch 8]
+Each configuration runs the real ``specdraft train`` path with recipes/<target>-<family>.yaml, in a
+fresh process so that its peak memory is its own, on the same plain-text chunks of the standard
+library's source (training files of the toy target). ``offline`` first writes the target's features
+with ``cache-features`` and then trains from them (the target forward leaves the step). The loop
+times the target forward inside each step, so tokens/s and the target's share come from the same
+run; the figures are those of the second logging window (warm). Host timers: exact on CPU; on
+CUDA run with CUDA_LAUNCH_BLOCKING=1 for a meaningful split.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m-", "toy": "toy_"}
 
 
 def text_data(path: Path, n_files: int, chars: int) -> Path:
@@ -30,37 +39,84 @@ def text_data(path: Path, n_files: int, chars: int) -> Path:
     return path
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="eagle3", choices=["eagle3", "eagle1"])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
+def one_configuration(config: dict) -> dict:
+    """Train ``config["steps"]`` steps of one family in one mode, in this process; return its figures."""
     from specdraft.config import load_recipe
+    from specdraft.features import cache_features
     from specdraft.train import train
 
+    torch.set_num_threads(config["threads"])
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        data = text_data(tmp / "text.jsonl", n_files=400, chars=4 * args.max_length * 4)
-        recipe = load_recipe(REPO / "recipes" / f"toy_{args.family}.yaml", [
-            f"data.path={data}", "data.format=text", f"data.max_length={args.max_length}",
-            f"training.max_steps={args.steps}", f"training.micro_batch_size={args.micro_batch}",
-            "training.grad_accumulation=1", f"training.log_every={args.steps // 2}", "training.eval_every=0",
-            f"checkpoint.save_every={args.steps}", f"checkpoint.output_dir={tmp / 'run'}",
-        ])
-        run_dir = train(recipe, show_progress=True)
+        data = text_data(tmp / "text.jsonl", n_files=400, chars=16 * config["max_length"])
+        overrides = [
+            f"data.path={data}", "data.format=text", f"data.max_length={config['max_length']}",
+            f"training.max_steps={config['steps']}", f"training.micro_batch_size={config['micro_batch']}",
+            "training.grad_accumulation=1", f"training.log_every={config['steps'] // 2}", "training.eval_every=0",
+            f"checkpoint.save_every={config['steps']}", f"checkpoint.output_dir={tmp / 'run'}", "eval.enabled=false",
+        ] + config["overrides"]
+        cache_seconds = None
+        if config["mode"] == "offline":
+            overrides.append(f"training.feature_cache={tmp / 'features'}")
+            started = time.perf_counter()
+            cache_features(load_recipe(config["recipe"], overrides), show_progress=False)
+            cache_seconds = time.perf_counter() - started
+        run_dir = train(load_recipe(config["recipe"], overrides), show_progress=False)
         logs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = [entry for entry in logs if "train/tokens_per_s" in entry][-1]  # the second window: warm
-    fraction = last["train/target_fraction"]
-    print(f"\n## bench_train: {args.family} on the toy target, torch {torch.__version__}, "
-          f"{args.threads} threads, micro-batch {args.micro_batch} x {args.max_length} tokens")
-    print("| drafter | training tokens/s | target forward share of a step | step / target forward |")
-    print("|---|---|---|---|")
-    print(f"| {args.family} | {last['train/tokens_per_s']:.0f} | {fraction:.1%} | {1 / fraction:.2f}x |")
+    warm = [entry for entry in logs if "train/tokens_per_s" in entry][-1]
+    return {"tokens_per_s": warm["train/tokens_per_s"], "target_fraction": warm["train/target_fraction"],
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "cache_features_seconds": cache_seconds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="toy", choices=sorted(RECIPE_PREFIX))
+    parser.add_argument("--families", nargs="+", default=["eagle1", "eagle3"])
+    parser.add_argument("--modes", nargs="+", default=["online", "offline"], choices=["online", "offline"])
+    parser.add_argument("--steps", type=int, default=None, help="default: 40 on the toy, 12 on SmolLM2")
+    parser.add_argument("--micro-batch", type=int, default=None, help="rows per step (default: 8 toy, 4 SmolLM2)")
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per row (default: 256 toy, 512 SmolLM2)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:  # one configuration, in its own process
+        print("RESULT " + json.dumps(one_configuration(json.loads(args.child))))
+        return 0
+
+    small = args.target == "toy"
+    steps = args.steps or (40 if small else 12)
+    micro_batch, max_length = args.micro_batch or (8 if small else 4), args.max_length or (256 if small else 512)
+    rows = []
+    for family in args.families:
+        recipe = REPO / "recipes" / f"{RECIPE_PREFIX[args.target]}{family}.yaml"
+        for mode in args.modes:
+            config = {"family": family, "mode": mode, "recipe": str(recipe), "steps": steps, "threads": args.threads,
+                      "micro_batch": micro_batch, "max_length": max_length, "overrides": args.set}
+            print(f"{family} {mode}: {steps} steps ...", flush=True)
+            done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], check=False,
+                                  capture_output=True, text=True)
+            result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode or not result:
+                print(done.stdout[-2000:], done.stderr[-4000:], sep="\n")
+                return 1
+            rows.append({**config, **json.loads(result[-1][len("RESULT "):])})
+
+    print(f"\n## bench_train: {args.target}, torch {torch.__version__}, {args.threads} thread(s), "
+          f"micro-batch {micro_batch} x {max_length} tokens, {steps} steps (figures of the warm second half)"
+          + (f", overrides {' '.join(args.set)}" if args.set else ""))
+    print(f"`python eval/bench_train.py {' '.join(sys.argv[1:])}`\n")
+    print("| drafter | mode | training tokens/s | target forward share of a step | step / target forward "
+          "| peak RSS GiB | cache-features s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        share = row["target_fraction"]
+        ratio = f"{1 / share:.2f}x" if share > 0 else "- (no target forward)"
+        cache = f"{row['cache_features_seconds']:.0f}" if row["cache_features_seconds"] is not None else "-"
+        print(f"| {row['family']} | {row['mode']} | {row['tokens_per_s']:.0f} | {share:.1%} | {ratio} "
+              f"| {row['peak_rss_gib']:.2f} | {cache} |")
     return 0
 
 

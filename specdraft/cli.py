@@ -19,7 +19,7 @@ COMMANDS = {
     "eval": ("specdraft.evaluation.run", "acceptance length, acceptance rate and speedup of drafters"),
     "export": ("specdraft.export", "write a trained drafter in the format vLLM or SGLang loads"),
     "regenerate": ("specdraft.data.regenerate", "rewrite a dataset's assistant turns with the target itself"),
-    "toy-target": ("specdraft.toy_target", "build the small stand-in target (no download needed)"),
+    "toy-target": ("specdraft.toy_build.builder", "build the small stand-in target (no download needed)"),
 }
 
 

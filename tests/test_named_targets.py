@@ -198,3 +198,19 @@ def test_smollm2_in_float32_is_greedy_identical_under_speculation(smollm2):
     result = evaluate(smollm2, {"lookup": PromptLookupSource}, prompts, k=5, max_new_tokens=40, show_progress=False)
     assert result["greedy_identical"] == {"lookup": 1.0} and result["greedy_mismatches"] == {"lookup": []}
     assert result["methods"]["lookup"]["overall"]["acceptance_length"] > 1.0  # drafts were really accepted
+
+
+@real
+def test_smollm2_quickstart_runs_end_to_end(tmp_path, capsys):
+    """`specdraft quickstart --target smollm2-135m-instruct` at a tiny budget: answers, training on the bf16
+    recipe, the acceptance eval, the three exports and the closing explanation."""
+    from specdraft.quickstart import quickstart
+
+    report = quickstart(tmp_path, train_prompts=4, steps=2, eval_prompts=1, overwrite=False, heldout_answers=2,
+                        target=NAME)
+    result = json.loads((report / "temperature-0" / "result.json").read_text())
+    assert result["methods"]["eagle3"]["overall"]["num_decodes"] >= 1
+    for fmt in ("sglang", "vllm", "hf"):
+        assert (tmp_path / "export" / fmt / "model.safetensors").is_file()
+    assert "What the numbers mean" in capsys.readouterr().out
+

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from specdraft.errors import SpecdraftError
-from specdraft.quickstart import heldout_prompt_sets, quickstart, toy_prompts
+from specdraft.quickstart import quickstart
+from specdraft.toy_target import heldout_prompt_sets, toy_prompts
 
 
 def test_held_out_prompt_sets_are_disjoint_and_from_held_out_files():
@@ -23,7 +24,7 @@ def test_asking_for_more_prompts_than_exist_says_how_many_there_are():
         toy_prompts("heldout", 10**6)
 
 
-def test_quickstart_trains_evaluates_and_exports(tmp_path):
+def test_quickstart_trains_evaluates_exports_and_explains(tmp_path, capsys):
     report = quickstart(tmp_path, train_prompts=6, steps=2, eval_prompts=2, overwrite=False, heldout_answers=3)
 
     run = tmp_path / "run"
@@ -46,3 +47,16 @@ def test_quickstart_trains_evaluates_and_exports(tmp_path):
     for fmt in ("sglang", "vllm", "hf"):
         assert (tmp_path / "export" / fmt / "model.safetensors").is_file()
         assert (tmp_path / "export" / fmt / "config.json").is_file()
+    # The closing lines read the figures of this run's own report, and say what they mean.
+    closing = capsys.readouterr().out.split("[5/5] ")[-1]
+    eagle3 = greedy["methods"]["eagle3"]["overall"]
+    assert closing.startswith("What the numbers mean")
+    assert f"tau {eagle3['acceptance_length']:.2f}:" in closing and f"speedup {eagle3['speedup']:.2f}x" in closing
+    assert f"costs {eagle3['verify_cost']:.2f}x a one-token forward" in closing
+    assert f"predicts {eagle3['predicted_speedup_measured_verify']:.2f}x." in closing
+
+
+def test_an_unknown_quickstart_target_names_the_known_ones(tmp_path):
+    with pytest.raises(SpecdraftError, match="knows the targets toy, smollm2-135m-instruct"):
+        quickstart(tmp_path, 6, 2, 2, overwrite=False, target="llama-3-8b")
+

@@ -6,6 +6,8 @@ import math
 import pathlib
 import random
 import re
+import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -13,25 +15,28 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.errors import SpecdraftError
-from specdraft.toy_target import (
+from specdraft.toy_build.builder import (
+    LOOP_KINDS,
     ToyRecipe,
     build_toy_target,
     decay_start_step,
     distinct_ngram_ratio,
     heldout_loss,
-    is_heldout,
-    LOOP_KINDS,
-    list_source_files,
     longest_repeated_suffix,
     lr_at,
     plain_file_starts,
     render_chat,
     split_files,
-    toy_target_path,
-    training_texts,
     total_steps_from,
+    training_texts,
 )
-from specdraft.unlikelihood import greedy_continuations, repeated_ngram_mask, sample_windows, unlikelihood_loss
+from specdraft.toy_build.unlikelihood import (
+    greedy_continuations,
+    repeated_ngram_mask,
+    sample_windows,
+    unlikelihood_loss,
+)
+from specdraft.toy_target import is_heldout, list_source_files, toy_target_path
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TINY = ToyRecipe(
@@ -328,3 +333,21 @@ def test_unlikelihood_build_records_both_phases_and_init_from_replays_it(tiny_ta
     with pytest.raises(SpecdraftError, match="lr"):
         build_toy_target(tmp_path / "wrong", steps=3, seed=0, recipe=dataclasses.replace(TINY_UL, lr=1e-3),
                          stdlib_dir=small_stdlib, init_from=tiny_target)
+
+
+def test_the_build_tools_stay_out_of_the_products_import_graph():
+    """The product needs the shipped folder and its prompt source, never the builder or the unlikelihood
+    trainer: only the `toy-target` command names `specdraft.toy_build` (and imports it when it runs)."""
+    package = pathlib.Path(__file__).resolve().parents[1] / "specdraft"
+    naming = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                    if re.search(r"specdraft\.toy_build|from \.+toy_build", path.read_text())
+                    and path.parent.name != "toy_build")
+    assert naming == ["cli.py"]
+    code = ("import sys, specdraft.train, specdraft.quickstart, specdraft.export, specdraft.evaluation.run, "
+            "specdraft.cli, specdraft.data.regenerate\n"
+            "from specdraft.target import resolve_target_path\n"
+            "from specdraft.toy_target import toy_prompts\n"
+            "resolve_target_path('toy'); toy_prompts('train', 4)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('specdraft.toy_build')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
