@@ -195,8 +195,8 @@ def main() -> None:
     steps = {"eagle1": args.steps_eagle1, "eagle3": args.steps_eagle3}
     trained = train_all(target_dir, data, work, steps, args.reuse_drafters, args.train_jobs)
 
-    # Both drafters read one target: EAGLE-3 needs its taps, EAGLE-1 only the last hidden state.
-    target = FrozenTarget.from_pretrained(target_dir, dtype="float32", taps="eagle3")
+    # Both drafters read one target: loading each makes it compute what that drafter reads.
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
     drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
     prompts = [Prompt(id=str(p["question_id"]), suite="toy-heldout", category=p["category"], kind="question",
                       turns=p["turns"]) for p in eval_set]

@@ -182,7 +182,7 @@ def train_all(families, recipe_prefix: str, overrides: list[str], work: Path, jo
 
 def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) -> dict:
     """Each format the family exports to, read back: are its first draft's probabilities the trained ones?"""
-    from specdraft.export import FORMATS, export, load_exported
+    from specdraft.export import export, exporters_of, load_exported
 
     prompt = torch.tensor([[1] + list(range(100, 116))])
     greedy = SamplingParams(temperature=0.0)
@@ -195,7 +195,7 @@ def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) 
 
     want_tokens, want_probs = first_draft_probs(drafter)
     results = {}
-    for fmt in FORMATS:
+    for fmt in sorted(exporters_of(family)):
         try:
             out = export(run_dir, fmt, work / "exports" / family / fmt, overwrite=True)
             tokens, probs = first_draft_probs(load_exported(out, target).eval())
@@ -279,7 +279,7 @@ def main() -> None:
                  "eval.enabled=false"] + ([f"training.max_steps={args.steps}"] if args.steps else []) + args.set
     trained = train_all(families, prefix, overrides, work, args.train_jobs, [answers, heldout_answers])
 
-    target = FrozenTarget.from_pretrained(target_dir, dtype="float32", taps="eagle3")
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")  # each loaded drafter adds what it reads
     fits = [p for p in eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens
             < target.config.max_position_embeddings]  # two turns' answers must fit too
     if len(fits) < len(eval_prompts):
@@ -287,7 +287,8 @@ def main() -> None:
     eval_prompts = fits
     drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
     for family, drafter in drafters.items():
-        trained[family]["trainable_parameters"] = sum(p.numel() for p in drafter.trainable_parameters())
+        trained[family]["trainable_parameters"] = sum(p.numel() for p in drafter.trained_module().parameters()
+                                                        if p.requires_grad)
         trained[family]["exports"] = export_round_trips(family, Path(trained[family]["drafter"]).parent, target,
                                                         drafter, work)
     results = evaluate_at_temperatures(target, drafters, eval_prompts, args.max_new_tokens, work / "eval")

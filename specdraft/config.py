@@ -24,8 +24,10 @@ from .errors import SpecdraftError
 class TargetConfig:
     path: str  # local transformers folder or hub id; "toy" = the shipped toy target
     dtype: str = "bfloat16"
-    # Layers whose *inputs* are tapped (vLLM convention). "eagle3" = (2, N//2, N-3); [] = none.
-    taps: list[int] | str = "eagle3"
+    # Layers whose *inputs* are tapped (vLLM convention). "auto": the layers the drafter family reads
+    # by default (EAGLE-3: 2, N//2, N-3; EAGLE-1: none); "eagle3" is auto's older name. A list replaces
+    # the family's layers one for one.
+    taps: list[int] | str = "auto"
     trust_remote_code: bool = False
     attn_implementation: str | None = None
 
@@ -263,8 +265,8 @@ def _check_values(r: Recipe) -> None:
     for tracker in r.tracking.trackers:
         if tracker not in ("wandb", "tensorboard", "none"):
             raise SpecdraftError(f"'tracking.trackers' entries must be wandb, tensorboard or none; got {tracker!r}")
-    if isinstance(r.target.taps, str) and r.target.taps not in ("eagle3", "default"):
-        raise SpecdraftError(f"'target.taps' must be a list of layer indices or 'eagle3'; got {r.target.taps!r}")
+    if isinstance(r.target.taps, str) and r.target.taps not in ("auto", "eagle3"):
+        raise SpecdraftError(f"'target.taps' must be a list of layer indices or 'auto'; got {r.target.taps!r}")
     positive = {
         "training.micro_batch_size": t.micro_batch_size,
         "training.grad_accumulation": t.grad_accumulation,

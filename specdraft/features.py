@@ -1,13 +1,15 @@
-"""Offline mode: run the target once over the data and keep its tapped features on disk.
+"""Offline mode: run the target once over the data and keep the features the drafter needs on disk.
 
-``specdraft cache-features RECIPE`` writes ``training.feature_cache``:
-  manifest.json               key (data + target + taps + max_length), shard size, dims
-  train-00000.safetensors     for each sample i: "{i}.aux" [T, n_taps*H], "{i}.last" [T, H]
+``specdraft cache-features RECIPE`` writes ``training.feature_cache``, from what the recipe's
+drafter family declares it needs (``TargetNeeds``):
+  manifest.json               key (data + target + what is stored + max_length), shard size, dims
+  train-00000.safetensors     for each sample i: "{i}.aux" [T, n_taps*H] (if it taps layers),
+                              "{i}.last" [T, H] (if it reads the final hidden state or logits)
   eval-00000.safetensors      the same for the eval split
 
 Each shard is written then renamed, so an interrupted run resumes at the first
-missing shard. Logits are not stored (they are V wide); the loop recomputes
-them with the target's LM head from ``last``, which gives the same numbers.
+missing shard. Logits are not stored (they are V wide); a lookup computes the ones
+asked for with the target's LM head from ``last``, which gives the same numbers.
 Samples are run one at a time (no padding), so a cached feature is bit-identical
 to an online forward of that sample alone.
 """
@@ -24,24 +26,30 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import Recipe
-from .drafters.base import TargetOutputs
+from .contract import TargetNeeds, TargetOutputs
 from .errors import SpecdraftError
 
 SHARD_SIZE = 256
 
 
-def cache_key(recipe: Recipe, target) -> str:
+def stored(needs: TargetNeeds) -> TargetNeeds:
+    """What the cache keeps for ``needs``: the taps, and the final hidden state when the drafter reads it
+    or any logits (they are computed from it at lookup)."""
+    return TargetNeeds(final_hidden=needs.final_hidden or needs.logits != "none", taps=needs.taps)
+
+
+def cache_key(recipe: Recipe, target, kept: TargetNeeds) -> str:
     """What the cached features depend on: the data, how it is tokenized, and the target itself.
 
     The target counts by its weights and tokenizer, not only its path: a model replaced in place
     (retrained, another revision under the same folder) gives other features, and a cache of the
-    old one must not be read as if it were the new one's.
+    old one must not be read as if it were the new one's. ``kept``: what the cache stores (``stored``).
     """
     from .data.pipeline import data_fingerprint, tokenizer_fingerprint
 
     parts = [recipe.data.path, recipe.data.format, recipe.data.max_length, recipe.data.eval_fraction,
              recipe.data.eval_path, recipe.data.max_samples, recipe.data.seed, recipe.data.chat_template,
-             recipe.target.path, recipe.target.dtype, str(recipe.target.taps), target.num_layers,
+             recipe.target.path, recipe.target.dtype, list(kept.taps), kept.final_hidden, target.num_layers,
              data_fingerprint(recipe.data.path, recipe.data.split),
              recipe.data.eval_path and data_fingerprint(recipe.data.eval_path, recipe.data.split),
              weights_fingerprint(target.model), tokenizer_fingerprint(target.tokenizer)]
@@ -64,7 +72,7 @@ def weights_fingerprint(model: torch.nn.Module, per_tensor: int = 64) -> str:
 
 
 def _bytes_needed(datasets: dict, target) -> int:
-    width = (len(target.taps) + 1) * target.hidden_size
+    width = (len(target.taps) + target.needs.final_hidden) * target.hidden_size
     itemsize = target.lm_head.weight.element_size()
     return sum(len(ids) for ds in datasets.values() for ids in ds["input_ids"]) * width * itemsize
 
@@ -74,17 +82,21 @@ def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
     from tqdm.auto import tqdm
 
     from .data.pipeline import build_datasets
-    from .train import load_target
+    from .train import load_target, recipe_needs
 
     if not recipe.training.feature_cache:
         raise SpecdraftError("set training.feature_cache to the folder to write (e.g. training.feature_cache=cache/feat)")
     out = Path(recipe.training.feature_cache)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = load_target(recipe, device)
+    needs = recipe_needs(recipe)
+    _check_cacheable(recipe, needs)
+    kept = stored(needs)
+    target = load_target(recipe, device, kept)
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
     splits = {"train": train_ds, "eval": eval_ds}
-    key = cache_key(recipe, target)
-    manifest = {"key": key, "shard_size": SHARD_SIZE, "taps": target.taps, "hidden_size": target.hidden_size,
+    key = cache_key(recipe, target, kept)
+    manifest = {"key": key, "shard_size": SHARD_SIZE, "taps": list(target.taps),
+                "final_hidden": target.needs.final_hidden, "hidden_size": target.hidden_size,
                 "sizes": {name: len(ds) for name, ds in splits.items()}}
     manifest_file = out / "manifest.json"
     if manifest_file.is_file() and json.loads(manifest_file.read_text())["key"] != key:
@@ -107,8 +119,9 @@ def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
             tensors = {}
             for i in range(start, min(start + SHARD_SIZE, len(ds))):
                 ids = torch.tensor(ds[i]["input_ids"], device=device)[None]
-                t_out = target(ids)
-                tensors[f"{i}.last"] = t_out.last_hidden[0].cpu().contiguous()
+                t_out = target(ids, logits="none")
+                if t_out.final_hidden is not None:
+                    tensors[f"{i}.last"] = t_out.final_hidden[0].cpu().contiguous()
                 if t_out.aux_hidden is not None:
                     tensors[f"{i}.aux"] = t_out.aux_hidden[0].cpu().contiguous()
             tmp = shard.with_suffix(".tmp")
@@ -118,7 +131,8 @@ def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
 
 
 class FeatureCache:
-    """Reads cached features back into ``TargetOutputs`` for a batch (padding layout)."""
+    """Reads cached features back into ``TargetOutputs`` for a batch (padding layout), with the
+    logits asked for computed from the cached final hidden state."""
 
     def __init__(self, folder: Path, target, split: str = "train"):
         self.folder, self.target, self.split = Path(folder), target, split
@@ -131,15 +145,19 @@ class FeatureCache:
             self._open[n] = safe_open(self.folder / f"{self.split}-{n:05d}.safetensors", "pt", device="cpu")
         return self._open[n]
 
-    def lookup(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
+    def lookup(self, batch: dict[str, torch.Tensor], logits: str = "none",
+               rows: torch.Tensor | None = None) -> TargetOutputs:
+        """What one target forward would give on ``batch`` (``FrozenTarget.forward_batch``)."""
         if "seq_ids" in batch:
             raise SpecdraftError("the feature cache works with padding only; set data.packing=false")
         B, T = batch["input_ids"].shape
         device = batch["input_ids"].device
+        has_last = self.manifest["final_hidden"]
         last, aux = [], []
         for i in batch["sample_index"].tolist():
             f = self._shard(i)
-            last.append(f.get_tensor(f"{i}.last"))
+            if has_last:
+                last.append(f.get_tensor(f"{i}.last"))
             if self.target.taps:
                 aux.append(f.get_tensor(f"{i}.aux"))
 
@@ -149,21 +167,44 @@ class FeatureCache:
                 out[b, : len(x)] = x
             return out.to(device)
 
-        last_hidden = pad(last)
-        with torch.no_grad():
-            logits = self.target.lm_head(last_hidden).float()
-        return TargetOutputs(logits=logits, last_hidden=last_hidden, aux_hidden=pad(aux) if aux else None)
+        final = pad(last) if last else None
+        # As the target's own forward: no autograd, no autocast (a mixed-precision step runs this too).
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            computed = None if logits == "none" else self.target.logits_of(final, logits, rows)
+        return TargetOutputs(logits=computed, vocab_rows=rows if logits == "draft_rows" else None,
+                             last_only=logits == "last",
+                             final_hidden=final if self.target.needs.final_hidden else None,
+                             aux_hidden=pad(aux) if aux else None, taps=self.target.taps)
 
 
-def open_feature_caches(recipe: Recipe, target) -> dict[str, FeatureCache] | None:
+def _check_cacheable(recipe: Recipe, needs: TargetNeeds) -> None:
+    if needs.trains_adapters:
+        raise SpecdraftError(
+            f"a {recipe.drafter_family} drafter trains adapters inside the target, so the target's features change "
+            "as it trains and cannot be cached: unset training.feature_cache"
+        )
+
+
+def check_feature_cache(recipe: Recipe, needs: TargetNeeds) -> None:
+    """The cheap checks of offline mode, before anything loads: the drafter's features can be cached,
+    the cache exists, and the batches are padded."""
+    if not recipe.training.feature_cache:
+        return
+    _check_cacheable(recipe, needs)
+    folder = Path(recipe.training.feature_cache)
+    if not (folder / "manifest.json").is_file():
+        raise SpecdraftError(f"no feature cache in {folder}; run `specdraft cache-features RECIPE` first")
+    if recipe.data.packing:
+        raise SpecdraftError("the feature cache works with padding only; set data.packing=false")
+
+
+def open_feature_caches(recipe: Recipe, target, needs: TargetNeeds) -> dict[str, FeatureCache] | None:
     """The training loop's view of the cache per split, or None in online mode."""
     if not recipe.training.feature_cache:
         return None
+    check_feature_cache(recipe, needs)
     folder = Path(recipe.training.feature_cache)
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        raise SpecdraftError(f"no feature cache in {folder}; run `specdraft cache-features RECIPE` first")
-    if json.loads(manifest.read_text())["key"] != cache_key(recipe, target):
+    if json.loads((folder / "manifest.json").read_text())["key"] != cache_key(recipe, target, stored(needs)):
         raise SpecdraftError(f"the feature cache in {folder} was built from a different recipe/data/target; "
                              "rebuild it with `specdraft cache-features RECIPE`")
     return {split: FeatureCache(folder, target, split) for split in ("train", "eval")}

@@ -1,13 +1,19 @@
-"""Drafter losses and training metrics: pure functions of tensors, each citing its source.
+"""Drafter losses: pure functions of tensors, each citing its equation. Families compose them.
 
 Conventions shared by every function here:
-  * ``mask`` is a per-position weight (bool or 0/1 float); reductions are means over
-    the counted positions, with ``clamp_min(1)`` instead of an ``if`` so nothing ever
-    syncs with the host (an all-zero mask gives 0, not NaN).
+  * P is the target's (teacher's) next-token distribution, Q the draft's (student's); both are
+    given as logits ``[..., V]`` over the same vocabulary, except ``soft_cross_entropy``, whose
+    P is given as probabilities.
+  * ``mask`` is a per-position weight (bool or 0/1 float) of the leading dims; the result is the
+    mean over the counted positions, with ``clamp_min(1)`` instead of an ``if`` so nothing syncs
+    with the host (an all-zero mask gives 0, not NaN).
   * logits and probabilities are upcast to float32 before any softmax.
+  * A vocabulary entry with P(x) = 0 adds 0 to a divergence (0 log 0 = 0), also where a logit is -inf.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -19,92 +25,77 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
-def feature_regression_loss(predicted: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """EAGLE-1 (Li et al. 2024, arXiv 2401.15077, Sec. 4.2): L_reg = SmoothL1(f_{i+1}, f_hat_{i+1}).
+def smooth_l1(predicted: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """Smooth L1 (Huber with slope 1; Girshick 2015, Fast R-CNN Eq. 3), per element
 
-    Smooth L1 per hidden unit, averaged over the hidden dim (as the reference code does),
-    then over the counted positions. ``predicted``/``target`` are [..., H], ``mask`` [...].
+        l(x) = 0.5 x^2 / beta   if |x| < beta,   |x| - 0.5 beta   otherwise,   x = predicted - target,
+
+    averaged over the last (hidden) dim, then over the counted positions. EAGLE-1's feature
+    regression (Li et al. 2024, arXiv 2401.15077, Sec. 4.2) is this with beta = 1.
     """
-    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)
+    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none", beta=beta).mean(-1)
     return masked_mean(per_position, mask)
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """CE(p, p_hat) = -sum_x p(x) log p_hat(x), averaged over the counted positions.
+    """CE(P, Q) = -sum_x P(x) log Q(x), Q = softmax(logits), averaged over the counted positions.
 
-    EAGLE-1 Sec. 4.2's L_cls with p = the target's next-token distribution; EAGLE-3
+    EAGLE-1 Sec. 4.2's L_cls with P the target's next-token distribution; EAGLE-3
     (Li et al. 2025, arXiv 2503.01840, Sec. 3) trains each training-time-test step on it.
-    ``logits`` are the draft's [..., V], ``target_probs`` the target's p [..., V].
     """
     per_position = -(target_probs.float() * F.log_softmax(logits.float(), dim=-1)).sum(-1)
     return masked_mean(per_position, mask)
 
 
-def eagle1_loss(
-    predicted_feature: torch.Tensor,  # [..., H] f_hat_{i+1}
-    target_feature: torch.Tensor,  # [..., H] f_{i+1}
-    draft_logits: torch.Tensor,  # [..., V] LM_Head(f_hat_{i+1})
-    target_probs: torch.Tensor,  # [..., V] p_{i+2} = softmax(LM_Head(f_{i+1}))
-    mask: torch.Tensor,  # [...]
-    cls_weight: float = 0.1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EAGLE-1 Sec. 4.2: L = L_reg + w_cls * L_cls, with w_cls = 0.1. Returns (L, L_reg, L_cls)."""
-    regression = feature_regression_loss(predicted_feature, target_feature, mask)
-    classification = soft_cross_entropy(draft_logits, target_probs, mask)
-    return regression + cls_weight * classification, regression, classification
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) = sum_x P(x) (log P(x) - log Q(x)) per position, with 0 log 0 = 0."""
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
 
 
-def restrict_to_draft_vocab(
-    target_logits: torch.Tensor,  # [..., V] target logits
-    draft_to_target: torch.Tensor,  # [N] long: target id of each draft id
-    t2d: torch.Tensor,  # [V] bool: target id is in the draft vocabulary
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE-3's training target over a reduced draft vocabulary, as SpecForge computes it
-    (specforge/core/eagle3.py, "handle vocab size"; the EAGLE-3 reference does the same):
+def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) = sum_x P(x) log(P(x) / Q(x)): mode-covering, the divergence of supervised KD
+    (Hinton et al. 2015); DistillSpec's "FKL" (Zhou et al. 2023, arXiv 2310.08461)."""
+    log_p, log_q = F.log_softmax(target_logits.float(), -1), F.log_softmax(draft_logits.float(), -1)
+    return masked_mean(_kl(log_p, log_q), mask)
 
-      p_draft = softmax(target logits at the N draft ids)   -- renormalised over the draft vocab
-      counted = t2d[argmax of the full target logits]       -- positions whose target top-1 the
-                                                               draft cannot emit are not trained on
 
-    Returns (p_draft [..., N], counted [...] bool). ``index_select`` rather than a boolean
-    index, so no host sync.
+def reverse_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(Q || P) = sum_x Q(x) log(Q(x) / P(x)): mode-seeking; DistillSpec's "RKL" (MiniLLM, Gu et al. 2024,
+    trains on it too)."""
+    log_p, log_q = F.log_softmax(target_logits.float(), -1), F.log_softmax(draft_logits.float(), -1)
+    return masked_mean(_kl(log_q, log_p), mask)
+
+
+def generalized_jsd(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
+                    beta: float = 0.5) -> torch.Tensor:
+    """The generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024, arXiv 2306.13649, Sec. 2):
+
+        JSD(beta)(P || Q) = beta KL(P || M) + (1 - beta) KL(Q || M),   M = beta P + (1 - beta) Q
+
+    beta = 0.5 is the Jensen-Shannon divergence (<= log 2). For any beta it is at most the
+    entropy of (beta, 1 - beta), hence <= log 2. As beta -> 0, JSD(beta) / beta -> KL(P || Q)
+    (forward KL), and as beta -> 1, JSD(beta) / (1 - beta) -> KL(Q || P) (reverse KL); at exactly
+    0 or 1 it is 0. DistillSpec uses it as "JSD[beta]".
     """
-    logits = target_logits.float()
-    draft_probs = torch.softmax(logits.index_select(-1, draft_to_target), dim=-1)
-    counted = t2d[logits.argmax(dim=-1)]
-    return draft_probs, counted
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    log_p, log_q = F.log_softmax(target_logits.float(), -1), F.log_softmax(draft_logits.float(), -1)
+    # log M by logsumexp of the weighted logs: no underflow where P and Q are tiny
+    weights = torch.tensor([beta, 1.0 - beta], device=log_p.device).log().view(2, *[1] * log_p.dim())
+    log_m = torch.logsumexp(torch.stack([log_p, log_q]) + weights, dim=0)
+    per_position = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
+    return masked_mean(per_position, mask)
 
 
-def ttt_step_weights(num_steps: int, decay: float = 0.8) -> list[float]:
-    """EAGLE-3 reference training (eagle/traineagle3/main.py): step k's loss is weighted decay**k."""
-    return [decay**k for k in range(num_steps)]
+def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TVD(P, Q) = 1/2 sum_x |P(x) - Q(x)|, in [0, 1]. Speculative sampling accepts a draft with
+    probability 1 - TVD(P, Q) (Leviathan et al. 2023, arXiv 2211.17192, Cor. 3.6), which DistillSpec
+    therefore trains on."""
+    p, q = F.softmax(target_logits.float(), -1), F.softmax(draft_logits.float(), -1)
+    return masked_mean(0.5 * (p - q).abs().sum(-1), mask)
 
 
-def ttt_accuracy_metrics(correct: list[torch.Tensor], counted: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-step accuracies of a training-time-test unroll, and the simulated acceptance length.
-
-    ``correct[k]`` / ``counted[k]`` are bool [B, R_k] for step k, where row i of every step
-    belongs to the same chain (the one started at position i); R_k may shrink with k
-    (later steps run out of sequence), rows beyond R_k simply do not exist.
-
-      acc_k       = P(draft top-1 == target top-1 at step k), over counted positions
-      cond_acc_k  = the same, over positions where every earlier step was counted and correct
-      sim_accept_len = sum_k prod_{j<=k} acc_j   -- expected accepted drafts per chain if steps
-                                                  were independent (add 1 for the bonus token)
-    """
-    metrics: dict[str, torch.Tensor] = {}
-    chain_ok = None  # [B, R] rows whose steps so far were all counted and correct
-    survive = None  # prod_{j<=k} acc_j
-    sim_accept_len = torch.zeros((), device=correct[0].device)
-    for k, (hit, count) in enumerate(zip(correct, counted)):
-        hit, count = hit.bool(), count.bool()
-        rows = hit.shape[1]
-        acc = (hit & count).sum() / count.sum().clamp_min(1)
-        eligible = count if chain_ok is None else count & chain_ok[:, :rows]
-        metrics[f"acc_{k}"] = acc
-        metrics[f"cond_acc_{k}"] = (hit & eligible).sum() / eligible.sum().clamp_min(1)
-        chain_ok = hit & eligible
-        survive = acc if survive is None else survive * acc
-        sim_accept_len = sim_accept_len + survive
-    metrics["sim_accept_len"] = sim_accept_len
-    return metrics
+def binary_entropy(beta: float) -> float:
+    """H(beta) = -beta log beta - (1 - beta) log(1 - beta): the bound of JSD(beta), at most log 2."""
+    return -sum(w * math.log(w) for w in (beta, 1.0 - beta) if w > 0)

@@ -1,10 +1,13 @@
-"""The frozen target: any transformers causal LM, tapped at chosen layers in one forward.
+"""The frozen target: any transformers causal LM, computing in one forward what its drafters need.
+
+What it computes comes from ``TargetNeeds`` (``specdraft.contract``): the loop builds it from the
+family's declaration, and building or loading a drafter on it adds that drafter's needs
+(``require``). Logits are asked for per call: full, the draft vocabulary's rows only, the last
+position only, or none.
 
 Tap convention (vLLM's): tap ``i`` is the *input* of decoder layer ``i``
-(``hidden_states + residual`` before layer i runs), i.e. HF's
-``output_hidden_states[i]``. EAGLE-3's default taps are ``(2, N//2, N-3)``.
-SGLang's config ids name the *output* of a layer instead, so SGLang id ``j``
-is our tap ``j + 1``; exporters convert (``sglang_layer_ids``).
+(``hidden_states + residual`` before layer i runs), i.e. HF's ``output_hidden_states[i]``.
+Which layers a family taps is its own declaration.
 """
 
 from __future__ import annotations
@@ -13,23 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .drafters.base import TargetOutputs
+from .contract import TargetNeeds, TargetOutputs
 from .errors import SpecdraftError
 from .masks import block_causal_mask
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def eagle3_default_taps(num_layers: int) -> list[int]:
-    """Low, middle and high features: inputs of layers 2, N//2 and N-3 (EAGLE-3, vLLM default)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def sglang_layer_ids(taps: list[int]) -> list[int]:
-    """SGLang names the layer whose *output* is captured: our input-of-layer i is its i-1."""
-    return [t - 1 for t in taps]
 
 
 def resolve_target_path(path: str, dtype: str = "float32") -> str:
@@ -46,6 +40,36 @@ def resolve_target_path(path: str, dtype: str = "float32") -> str:
     return path
 
 
+def load_target_config(name_or_path: str | Path, trust_remote_code: bool = False):
+    """The target's transformers config alone: what a family's ``needs`` reads before any weight loads."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise SpecdraftError(
+            f"could not load the target config from {name_or_path!r}: {e}\n"
+            "Give target.path a local transformers folder or a hub id you can reach "
+            "(offline? run `specdraft toy-target` for a local stand-in)."
+        ) from e
+
+
+def check_taps(taps: tuple[int, ...], num_layers: int) -> None:
+    """Distinct layer indices of the target, each in 0..N-1 (the input of that layer)."""
+    if len(set(taps)) != len(taps):
+        raise SpecdraftError(
+            f"target.taps {list(taps)} repeat a layer (on a {num_layers}-layer target, default taps can collide: "
+            "EAGLE-3's 2, N//2, N-3 do below 8 layers); serving engines capture each layer once, so give "
+            "target.taps as distinct layer indices, e.g. [1, 2, 3]."
+        )
+    for t in taps:
+        if not 0 <= t < num_layers:
+            raise SpecdraftError(
+                f"tap layer {t} is out of range: the target has {num_layers} decoder layers, so taps must be in "
+                f"0..{num_layers - 1} (input of that layer). Fix target.taps in the recipe."
+            )
+
+
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -55,9 +79,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 class FrozenTarget(nn.Module):
-    """A causal LM in eval mode with no trainable parameters, returning ``TargetOutputs``."""
+    """A causal LM in eval mode whose own weights never train, returning ``TargetOutputs``.
 
-    def __init__(self, model: nn.Module, taps: list[int] | None = None, tokenizer=None):
+    ``needs`` says which features every forward computes (taps, the final hidden state); a
+    family that trains adapters inside it (``needs.trains_adapters``) adds them itself, and
+    only then does the forward keep autograd.
+    """
+
+    def __init__(self, model: nn.Module, needs: TargetNeeds | None = None, tokenizer=None):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -65,24 +94,32 @@ class FrozenTarget(nn.Module):
         layers = getattr(base, "layers", None)
         if base is None or layers is None or getattr(base, "norm", None) is None:
             raise SpecdraftError(
-                f"{type(model).__name__} does not expose `.model.layers` and `.model.norm`; specdraft "
-                "supports Llama-style decoders (Llama, Qwen2/3, Mistral, ...). Use one of those targets."
+                f"{type(model).__name__} does not expose `.model.layers` and `.model.norm` (so no final hidden "
+                "state to hand a drafter); specdraft supports Llama-style decoders (Llama, Qwen2/3, Mistral, ...). "
+                "Use one of those targets."
             )
         self.base, self.layers = base, layers
-        n = len(layers)
-        self.taps = list(taps or [])
-        if len(set(self.taps)) != len(self.taps):
+        self.needs = TargetNeeds()
+        self._head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, lm_head rows): see _rows_of_head
+        self.require(needs or TargetNeeds())
+
+    def require(self, needs: TargetNeeds) -> None:
+        """From now on also compute what ``needs`` asks for (the logits are asked per call).
+
+        One target taps one set of layers: drafters that read different layers need their own targets.
+        """
+        if needs.taps and self.needs.taps and needs.taps != self.needs.taps:
             raise SpecdraftError(
-                f"target.taps {self.taps} repeat a layer (a {n}-layer target's default EAGLE-3 taps 2, N//2, N-3 "
-                "collide below 8 layers); serving engines capture each layer once, so give target.taps as "
-                "distinct layer indices, e.g. [1, 2, 3]."
+                f"a drafter reads target layers {list(needs.taps)} (taps), but this target already taps "
+                f"{list(self.needs.taps)} for another drafter; evaluate drafters that read different layers in "
+                "separate runs, or load a target built with the drafter's taps."
             )
-        for t in self.taps:
-            if not 0 <= t < n:
-                raise SpecdraftError(
-                    f"tap layer {t} is out of range: the target has {n} decoder layers, so taps must be in "
-                    f"0..{n - 1} (input of that layer). Fix target.taps in the recipe."
-                )
+        check_taps(needs.taps, len(self.layers))
+        self.needs = TargetNeeds(
+            final_hidden=self.needs.final_hidden or needs.final_hidden,
+            taps=self.needs.taps or needs.taps,
+            trains_adapters=self.needs.trains_adapters or needs.trains_adapters,
+        )
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -90,21 +127,14 @@ class FrozenTarget(nn.Module):
         cls,
         name_or_path: str | Path,
         dtype: str | torch.dtype = "bfloat16",
-        taps: list[int] | str | None = None,
+        needs: TargetNeeds | None = None,
         trust_remote_code: bool = False,
         device: str | torch.device | None = None,
         attn_implementation: str | None = None,
-    ) -> "FrozenTarget":
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    ) -> FrozenTarget:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        try:
-            config = AutoConfig.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise SpecdraftError(
-                f"could not load the target config from {name_or_path!r}: {e}\n"
-                "Give target.path a local transformers folder or a hub id you can reach "
-                "(offline? run `specdraft toy-target` for a local stand-in)."
-            ) from e
+        config = load_target_config(name_or_path, trust_remote_code)
         kwargs = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
@@ -112,20 +142,16 @@ class FrozenTarget(nn.Module):
         if device is not None:
             model.to(device)
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
-        if taps == "eagle3" or taps == "default":
-            taps = eagle3_default_taps(config.num_hidden_layers)
-        return cls(model, taps, tokenizer)
+        return cls(model, needs, tokenizer)
 
     @classmethod
-    def from_config(cls, config, taps: list[int] | str | None = None, device: str = "meta") -> "FrozenTarget":
+    def from_config(cls, config, needs: TargetNeeds | None = None, device: str = "meta") -> FrozenTarget:
         """A target with random (or, on "meta", no) weights: tests, and sizing real models offline."""
         from transformers import AutoModelForCausalLM
 
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config)
-        if taps == "eagle3" or taps == "default":
-            taps = eagle3_default_taps(config.num_hidden_layers)
-        return cls(model, taps)
+        return cls(model, needs)
 
     # -- dimensions and shared weights ---------------------------------------------------------
     @property
@@ -135,6 +161,10 @@ class FrozenTarget(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.needs.taps
 
     @property
     def hidden_size(self) -> int:
@@ -165,7 +195,7 @@ class FrozenTarget(nn.Module):
     def _tapping(self):
         captured: dict[int, torch.Tensor] = {}
         hooks = []
-        for t in self.taps:
+        for t in self.needs.taps:
             def grab(module, args, kwargs, t=t):
                 captured[t] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             hooks.append(self.layers[t].register_forward_pre_hook(grab, with_kwargs=True))
@@ -175,7 +205,6 @@ class FrozenTarget(nn.Module):
             for h in hooks:
                 h.remove()
 
-    @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -183,13 +212,20 @@ class FrozenTarget(nn.Module):
         position_ids: torch.Tensor | None = None,
         past_key_values=None,
         use_cache: bool = False,
+        logits: str = "full",
+        rows: torch.Tensor | None = None,
     ) -> TargetOutputs:
         """One forward; taps are captured by pre-hooks, so there is never a second pass.
 
         ``attention_mask`` may be 2D (padding) or a 4D boolean block-causal mask (packing).
-        With ``use_cache`` the caller owns ``past_key_values`` (decoding).
+        With ``use_cache`` the caller owns ``past_key_values`` (decoding). ``logits``: "full",
+        "draft_rows" (the rows ``rows`` of the LM head only), "last" (last position) or "none".
+        The frozen forward runs without autograd and without autocast: a mixed-precision training
+        step does not change the target's numbers (the feature cache holds the same ones).
         """
-        with self._tapping() as captured:
+        frozen = not (self.needs.trains_adapters and torch.is_grad_enabled())
+        autocast = torch.autocast(input_ids.device.type, enabled=False) if frozen else _nothing()
+        with torch.set_grad_enabled(not frozen), autocast, self._tapping() as captured:
             out = self.base(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -197,14 +233,50 @@ class FrozenTarget(nn.Module):
                 past_key_values=past_key_values,
                 use_cache=use_cache,
             )
-        last_hidden = out.last_hidden_state  # already passed through the final norm
-        logits = self.lm_head(last_hidden).float()
-        aux = torch.cat([captured[t] for t in self.taps], dim=-1) if self.taps else None
-        return TargetOutputs(logits=logits, last_hidden=last_hidden, aux_hidden=aux)
+            hidden = out.last_hidden_state  # already passed through the final norm
+            return TargetOutputs(
+                logits=self.logits_of(hidden, logits, rows),
+                vocab_rows=rows if logits == "draft_rows" else None,
+                last_only=logits == "last",
+                final_hidden=hidden if self.needs.final_hidden else None,
+                aux_hidden=torch.cat([captured[t] for t in self.needs.taps], dim=-1) if self.needs.taps else None,
+                taps=self.needs.taps,
+            )
 
-    def forward_batch(self, batch: dict[str, torch.Tensor]) -> TargetOutputs:
+    def forward_batch(self, batch: dict[str, torch.Tensor], logits: str = "full",
+                      rows: torch.Tensor | None = None) -> TargetOutputs:
         """Training-time forward on a collated batch (padding or packing)."""
         mask = batch["attention_mask"]
         if "seq_ids" in batch:
             mask = block_causal_mask(mask, batch["seq_ids"])
-        return self(batch["input_ids"], attention_mask=mask, position_ids=batch.get("position_ids"))
+        return self(batch["input_ids"], attention_mask=mask, position_ids=batch.get("position_ids"),
+                    logits=logits, rows=rows)
+
+    def logits_of(self, hidden: torch.Tensor, logits: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """float32 logits from final hidden states [B, T, H], only as many as asked for (see ``forward``)."""
+        if logits == "none":
+            return None
+        if logits == "last":
+            return self.lm_head(hidden[:, -1:]).float()
+        if logits == "full":
+            return self.lm_head(hidden).float()
+        if logits != "draft_rows":
+            raise SpecdraftError(f"logits must be none, full, draft_rows or last, got {logits!r}")
+        if rows is None:
+            raise SpecdraftError("logits='draft_rows' needs rows: the target ids of the draft vocabulary")
+        weight, bias = self._rows_of_head(rows)
+        return F.linear(hidden, weight, bias).float()  # [B, T, N]: the V-wide logits are never formed
+
+    def _rows_of_head(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's rows ``rows``, gathered once and kept while the same ``rows`` tensor is asked for
+        (the head is frozen): one [N, H] copy for the run, not one per forward."""
+        if self._head_rows is None or self._head_rows[0] is not rows:
+            head = self.lm_head
+            bias = None if head.bias is None else head.bias.index_select(0, rows)
+            self._head_rows = (rows, (head.weight.index_select(0, rows), bias))
+        return self._head_rows[1]
+
+
+@contextmanager
+def _nothing():
+    yield

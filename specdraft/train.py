@@ -1,186 +1,168 @@
 """The one training loop, for every drafter family.
 
-Per micro-batch: the frozen target runs once under no_grad (or its features are
-read from an offline cache), the drafter computes its loss from the batch and
-the target's outputs, accelerate handles accumulation, mixed precision and
-gradient sync. Nothing here knows which family it is training.
+    train(recipe) = check_before_loading -> build_run -> run_steps -> finish
+
+Per micro-batch the drafter makes its own example (``Drafter.prepare``: one target forward, a
+feature-cache read, or sequences it generates first) inside the forward of the module accelerate
+wraps, then computes its loss; accelerate handles accumulation, mixed precision and gradient sync.
+Nothing here knows which family it is training: the family's declaration (``Family.needs``) says
+what the target computes, and the drafter names the module that trains (``trained_module``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
-import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 from torch import nn
 
 from .atomic import atomic_folder
-from .checkpoint import checkpoint_dirs, full_parameters, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    checkpoint_dirs,
+    full_parameters,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import Recipe
-from .drafters import get_family, load_drafter
+from .contract import Drafter, TargetNeeds, TrainingContext
+from .drafters import declared_needs, get_family, load_drafter
 from .errors import SpecdraftError
 from .named_targets import cache_home
-from .target import FrozenTarget, resolve_target_path
+from .target import FrozenTarget, check_taps, load_target_config, resolve_target_path
+from .train_parts import (
+    RunState,
+    StopRequested,
+    append_jsonl,
+    check_run_dir,
+    deepspeed_arguments,
+    flat_config,
+    load_models_whole,
+    make_scheduler,
+    mean_over_batches,
+    mean_over_processes,
+    param_groups,
+    prepare_run_dir,
+)
 
 
 class TrainStep(nn.Module):
-    """Routes the loss through ``forward`` so DDP/DeepSpeed wrappers see a normal forward call."""
+    """The module accelerate wraps (DDP, DeepSpeed): the drafter's trained module, with the drafter's
+    ``prepare`` and ``compute_loss`` as its forward, so the wrappers see one ordinary forward call
+    (and adapters inside the target, where a family trains them, take part in it)."""
 
-    def __init__(self, drafter: nn.Module):
+    def __init__(self, drafter: Drafter, target: FrozenTarget, caches: dict | None):
         super().__init__()
-        self.drafter = drafter
+        self.trained = drafter.trained_module()
+        # In a tuple, outside the module tree: never wrapped, cast, sharded or saved by the loop.
+        self._outside = (drafter, target, caches)
+        self.prepare_seconds = 0.0  # training time in prepare: the target forward (or generation)
 
-    def forward(self, batch, target_out):
-        out = self.drafter.compute_loss(batch, target_out)
-        return out.loss, out.metrics
+    def forward(self, batch: dict[str, torch.Tensor], step: int, split: str = "train"):
+        drafter, target, caches = self._outside
+        context = TrainingContext(target, None if caches is None else caches[split], step, split == "train")
+        start = time.perf_counter()
+        example = drafter.prepare(batch, context)
+        if split == "train":
+            self.prepare_seconds += time.perf_counter() - start
+        out = drafter.compute_loss(example.batch, example.target)
+        return out.loss, out.metrics, example.batch["attention_mask"].sum()
 
     def save_pretrained(self, path):
-        self.drafter.save_pretrained(path)
+        self._outside[0].save_pretrained(path)
 
 
 @dataclass
-class RunState:
-    """Where training is; saved in every checkpoint so a resume continues exactly."""
+class Run:
+    """One training run, as ``build_run`` assembles it."""
 
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches this process consumed in the current epoch
-    tokens: int = 0
-
-
-def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
-    """Never clobber a run: an existing non-empty folder needs --resume or --overwrite."""
-    exists = run_dir.is_dir() and any(run_dir.iterdir())
-    if resume:
-        if not checkpoint_dirs(run_dir):
-            raise SpecdraftError(f"--resume: no checkpoint in {run_dir}/checkpoints; start without --resume")
-        return
-    if exists and not overwrite:
-        raise SpecdraftError(
-            f"run folder {run_dir} already exists; pass --resume to continue it, --overwrite to replace it, "
-            "or set checkpoint.output_dir to a new folder"
-        )
-    if exists and overwrite and is_main:
-        shutil.rmtree(run_dir)
-
-
-def load_target(recipe: Recipe, device) -> FrozenTarget:
-    cfg = recipe.target
-    return FrozenTarget.from_pretrained(
-        resolve_target_path(cfg.path, cfg.dtype), dtype=cfg.dtype, taps=cfg.taps,
-        trust_remote_code=cfg.trust_remote_code, device=device, attn_implementation=cfg.attn_implementation,
-    )
-
-
-# -- DeepSpeed (begin) --------------------------------------------------------------------------
-# `accelerate launch --config_file recipes/accelerate/deepspeed_zero{2,3}.yaml` sets
-# ACCELERATE_USE_DEEPSPEED; the loop below is then unchanged: accelerator.backward runs the engine's
-# backward and step, and optimizer.step/zero_grad become no-ops.
-def deepspeed_arguments(tcfg) -> dict:
-    """Extra ``Accelerator`` arguments when launched for DeepSpeed, else none."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return {}
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
-    # Under DeepSpeed, clip_grad_norm_ is a no-op and the engine clips: the JSON's "auto"
-    # gradient_clipping takes the recipe's value. zero3_init_flag=False: the frozen target is
-    # loaded whole, only the drafter is sharded (by the engine, at prepare).
-    arguments = {"deepspeed_plugin": DeepSpeedPlugin(gradient_clipping=tcfg.max_grad_norm, zero3_init_flag=False)}
-    if not torch.cuda.is_available():
-        # accelerate picks a process-group backend only for accelerators; on CPU DeepSpeed
-        # (DS_ACCELERATOR=cpu) runs over gloo. This is what makes the CPU tests possible.
-        arguments["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-    return arguments
-
-
-def load_models_whole(accelerator) -> None:
-    """Stop transformers from building models inside ``deepspeed.zero.Init``.
-
-    accelerate registers the DeepSpeed config with transformers even when zero3_init_flag is off,
-    and under ZeRO-3 ``from_pretrained`` would then shard the frozen target, which never enters
-    the engine, so its forward would see empty weights.
-    """
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        from transformers.integrations import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-# -- DeepSpeed (end) ----------------------------------------------------------------------------
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms and biases are scale parameters, decaying them only hurts."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise SpecdraftError("the drafter has no trainable parameters; check the drafter family config")
-    return [
-        {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-
-
-def make_scheduler(optimizer, recipe: Recipe, total_steps: int):
-    from transformers import get_scheduler
-
-    o = recipe.optimizer
-    name, extra = {
-        "cosine": ("cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}),
-        "linear": ("linear", {}),
-        "constant": ("constant_with_warmup", {}),
-    }[o.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=extra or None)
-
-
-class StopRequested:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary and exits 0."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def flat_config(config: dict, prefix: str = "") -> dict:
-    """``{"optimizer.lr": 1e-4, ...}``: trackers (tensorboard hparams) want flat scalars."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return flat
-
-
-def _mean_metrics(history: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    keys = history[0].keys()
-    return {k: float(torch.stack([h[k].float() for h in history]).mean()) for k in keys}
+    recipe: Recipe
+    accelerator: Any
+    run_dir: Path
+    target: FrozenTarget
+    drafter: Drafter
+    step_module: nn.Module  # TrainStep, wrapped by accelerate
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    eval_loader: Any
+    total_steps: int
+    state: RunState = field(default_factory=RunState)
+    trackers: list[str] = field(default_factory=list)
+    evaluated_at: int | None = None  # the step of the last periodic eval: the final eval does not repeat it
 
 
 def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_progress: bool = True) -> Path:
     """Train the recipe's drafter; returns the run folder (with ``drafter/`` when finished)."""
+    from tqdm.auto import tqdm
+
+    needs = check_before_loading(recipe, resume, overwrite)
+    run = build_run(recipe, resume, overwrite, needs)
+    bar = tqdm(total=run.total_steps, initial=run.state.step, desc="train", unit="step", dynamic_ncols=True,
+               disable=not (show_progress and run.accelerator.is_local_main_process))
+    with StopRequested() as stop:
+        stopped = run_steps(run, stop, bar)
+    bar.close()
+    if stopped:
+        run.accelerator.print(f"stopped by signal at step {run.state.step}; resume with --resume")
+        run.accelerator.end_training()
+        return run.run_dir
+    finish(run, show_progress)
+    return run.run_dir
+
+
+# -- build the run ------------------------------------------------------------------------------
+
+
+def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> TargetNeeds:
+    """Everything that can be checked before the target's weights load: the run folder rules, the
+    data files, the eval prompt file, the feature cache, and what the family needs of this target
+    (from its config alone). A mistake then costs seconds, not a load. Returns those needs."""
+    from .data.formats import check_data_source
+    from .features import check_feature_cache
+
+    check_run_dir(Path(recipe.checkpoint.output_dir), resume, overwrite)
+    get_family(recipe.drafter_family)
+    check_data_source(recipe.data.path)
+    if recipe.data.eval_path:
+        check_data_source(recipe.data.eval_path)
+    if recipe.eval.enabled and recipe.eval.prompts:
+        from .evaluation.suites import load_suite
+
+        load_suite(recipe.eval.prompts, recipe.eval.num_prompts)
+    needs = recipe_needs(recipe)
+    check_feature_cache(recipe, needs)
+    return needs
+
+
+def recipe_needs(recipe: Recipe, target_config=None) -> TargetNeeds:
+    """What the recipe's drafter needs from its target, from the target's config alone (no weights):
+    the family's declaration, with ``target.taps`` in place of its default layers."""
+    cfg = recipe.target
+    if target_config is None:
+        target_config = load_target_config(resolve_target_path(cfg.path, cfg.dtype), cfg.trust_remote_code)
+    needs = declared_needs(get_family(recipe.drafter_family), recipe.drafter, target_config, cfg.taps)
+    check_taps(needs.taps, target_config.num_hidden_layers)
+    return needs
+
+
+def load_target(recipe: Recipe, device, needs: TargetNeeds) -> FrozenTarget:
+    cfg = recipe.target
+    return FrozenTarget.from_pretrained(
+        resolve_target_path(cfg.path, cfg.dtype), dtype=cfg.dtype, needs=needs,
+        trust_remote_code=cfg.trust_remote_code, device=device, attn_implementation=cfg.attn_implementation,
+    )
+
+
+def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds) -> Run:
+    """The accelerator, the target computing ``needs``, the data, the drafter, and everything wrapped."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
-    from tqdm.auto import tqdm
 
     from .data.collate import Collator, pad_token_id_of
     from .data.pipeline import build_datasets
@@ -204,32 +186,13 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     accelerator.wait_for_everyone()
     set_seed(tcfg.seed)
 
-    if recipe.eval.enabled and recipe.eval.prompts:  # a bad prompt file fails now, not after training
-        from .evaluation.suites import load_suite
-
-        load_suite(recipe.eval.prompts, recipe.eval.num_prompts)
     family = get_family(recipe.drafter_family)
-    target = load_target(recipe, accelerator.device)
+    target = load_target(recipe, accelerator.device, needs)
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
-    draft_vocab = None
-    draft_vocab_size = getattr(recipe.drafter, "draft_vocab_size", None)
-    if family.needs_draft_vocab and draft_vocab_size and draft_vocab_size < target.vocab_size:
-        from .data.pipeline import vocab_cache_key_parts
-        from .data.vocab import build_draft_vocab
-
-        draft_vocab = build_draft_vocab(
-            train_ds, target.vocab_size, draft_vocab_size,
-            cache_dir=cache_home() / "draft_vocab",
-            cache_key_parts=vocab_cache_key_parts(recipe.data, target.tokenizer),
-        )
-    drafter = family.build(target, recipe.drafter, draft_vocab)
-    step_module = TrainStep(drafter)
-
-    o = recipe.optimizer
-    optimizer = torch.optim.AdamW(param_groups(step_module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    drafter = family.build(target, recipe.drafter, _draft_vocab(recipe, family, target, train_ds))
+    caches = open_feature_caches(recipe, target, needs)
     collate = Collator(pad_token_id_of(target.tokenizer), recipe.data.max_length, recipe.data.packing)
-    features = open_feature_caches(recipe, target)
-    if features is not None:  # offline mode: batches carry sample indices to find their cached features
+    if caches is not None:  # offline mode: batches carry sample indices to find their cached features
         train_ds = train_ds.add_column("sample_index", list(range(len(train_ds))))
         eval_ds = eval_ds.add_column("sample_index", list(range(len(eval_ds))))
         collate = with_sample_index(collate)
@@ -237,139 +200,210 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
                                          collate_fn=collate, num_workers=tcfg.num_workers,
                                          generator=torch.Generator().manual_seed(tcfg.seed))
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=tcfg.micro_batch_size, collate_fn=collate)
+
+    step_module = TrainStep(drafter, target, caches)
+    o = recipe.optimizer
+    optimizer = torch.optim.AdamW(param_groups(step_module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     step_module, optimizer, loader, eval_loader = accelerator.prepare(step_module, optimizer, loader, eval_loader)
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper steps it
     # once per process, which would make N processes follow a different schedule than one.
     steps_per_epoch = max(1, len(loader) // tcfg.grad_accumulation)
     total_steps = tcfg.max_steps or math.ceil(tcfg.epochs * steps_per_epoch)
-    scheduler = make_scheduler(optimizer, recipe, total_steps)
+    scheduler = (family.lr_schedule or make_scheduler)(optimizer, recipe, total_steps)
+    run = Run(recipe, accelerator, run_dir, target, drafter, step_module, optimizer, scheduler, loader, eval_loader,
+              total_steps, trackers=trackers)
+    _start_or_resume(run, resume)
+    return run
 
-    state = RunState()
+
+def _draft_vocab(recipe: Recipe, family, target: FrozenTarget, train_ds):
+    """A family that drafts over a reduced vocabulary gets it built (or read from its cache) from the data."""
+    size = getattr(recipe.drafter, "draft_vocab_size", None)
+    if not (family.needs_draft_vocab and size and size < target.vocab_size):
+        return None
+    from .data.pipeline import vocab_cache_key_parts
+    from .data.vocab import build_draft_vocab
+
+    return build_draft_vocab(train_ds, target.vocab_size, size, cache_dir=cache_home() / "draft_vocab",
+                             cache_key_parts=vocab_cache_key_parts(recipe.data, target.tokenizer))
+
+
+def _start_or_resume(run: Run, resume: bool) -> None:
+    """Restore the newest checkpoint (--resume), write the recipe, start the trackers."""
+    accelerator, recipe = run.accelerator, run.recipe
     if resume:
-        ckpt = checkpoint_dirs(run_dir)[-1]
-        state = RunState(**load_checkpoint(accelerator, ckpt, drafter, optimizer, scheduler)["run"])
-        accelerator.print(f"resumed from {ckpt} at step {state.step}")
+        ckpt = checkpoint_dirs(run.run_dir)[-1]
+        saved = load_checkpoint(accelerator, ckpt, run.drafter.trained_module(), run.optimizer, run.scheduler)
+        run.state = RunState(**saved["run"])
+        accelerator.print(f"resumed from {ckpt} at step {run.state.step}")
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         if resume:  # lines after this one supersede any the killed run logged past the checkpoint
-            event = {"step": state.step, "event": "resumed", "checkpoint": ckpt.name}
-            _append_jsonl(run_dir / "metrics.jsonl", event)
-    if trackers:
-        init_kwargs = {"wandb": {"name": recipe.tracking.run_name, "dir": os.environ.get("WANDB_DIR", str(run_dir))}}
-        accelerator.init_trackers(recipe.tracking.project, config=flat_config(recipe.to_dict()), init_kwargs=init_kwargs)
+            append_jsonl(run.run_dir / "metrics.jsonl",
+                         {"step": run.state.step, "event": "resumed", "checkpoint": ckpt.name})
+    if run.trackers:
+        init_kwargs = {"wandb": {"name": recipe.tracking.run_name,
+                                 "dir": os.environ.get("WANDB_DIR", str(run.run_dir))}}
+        accelerator.init_trackers(recipe.tracking.project, config=flat_config(recipe.to_dict()),
+                                  init_kwargs=init_kwargs)
 
-    def target_outputs(batch, split="train"):
-        return features[split].lookup(batch) if features is not None else target.forward_batch(batch)
 
-    def log_metrics(metrics: dict[str, float], step: int) -> None:
-        """To the trackers, and always to RUN/metrics.jsonl so a run describes itself without them."""
-        if not metrics:
-            return
-        accelerator.log(metrics, step=step)
+# -- step -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class LogWindow:
+    """What this process trained on since the last log line."""
+
+    history: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    prepare_seconds_at_start: float = 0.0
+
+
+def run_steps(run: Run, stop: StopRequested, bar) -> bool:
+    """Train to ``total_steps``, logging, evaluating and saving on the way; True if a signal stopped it."""
+    state, tcfg, accelerator = run.state, run.recipe.training, run.accelerator
+    inner = accelerator.unwrap_model(run.step_module)
+    window = LogWindow(prepare_seconds_at_start=inner.prepare_seconds)
+    run.step_module.train()
+    while state.step < run.total_steps:
+        run.loader.set_epoch(state.epoch)
+        loader = run.loader
+        if state.batches_in_epoch:
+            loader = accelerator.skip_first_batches(run.loader, state.batches_in_epoch)
+        for batch in loader:
+            state.batches_in_epoch += 1
+            metrics, tokens = train_micro_batch(run, batch)
+            window.history.append(metrics)
+            window.tokens += tokens
+            state.tokens += tokens * accelerator.num_processes
+            if not accelerator.sync_gradients:
+                continue
+            run.scheduler.step()
+            state.step += 1
+            bar.update(1)
+            if state.step % tcfg.log_every == 0 or state.step == run.total_steps:
+                logs = log_train(run, window, inner.prepare_seconds)
+                bar.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in logs.items()
+                                 if k.split("/")[-1] in ("loss", "acc_0", "sim_accept_len", "tokens_per_s")})
+                window = LogWindow(prepare_seconds_at_start=inner.prepare_seconds)
+            if tcfg.eval_every and state.step % tcfg.eval_every == 0:
+                log_metrics(run, evaluate(run))
+                run.evaluated_at = state.step
+            if state.step % run.recipe.checkpoint.save_every == 0 or stop.requested:
+                save(run, "signal" if stop.requested else "periodic")
+            if stop.requested:
+                return True
+            if state.step >= run.total_steps:
+                break
+        else:
+            state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+    return False
+
+
+def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """Forward (prepare + loss), backward, and at an accumulation boundary clip and step."""
+    accelerator, tcfg, state = run.accelerator, run.recipe.training, run.state
+    with accelerator.accumulate(run.step_module):
+        loss, metrics, tokens = run.step_module(batch, state.step)
+        if not torch.isfinite(loss):
+            last = checkpoint_dirs(run.run_dir)
+            kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+            raise SpecdraftError(
+                f"loss is {loss.item()} at step {state.step + 1} (epoch {state.epoch}); stopped, {kept}. "
+                "Lower optimizer.lr, set training.max_grad_norm, or use bf16 instead of fp16."
+            )
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and tcfg.clip_grad_value:
+            accelerator.clip_grad_value_(run.step_module.parameters(), tcfg.clip_grad_value)
+        if accelerator.sync_gradients and tcfg.max_grad_norm:
+            accelerator.clip_grad_norm_(run.step_module.parameters(), tcfg.max_grad_norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}, int(tokens)
+
+
+def save(run: Run, reason: str) -> None:
+    trainer_state = {"run": vars(run.state), "world_size": run.accelerator.num_processes, "reason": reason}
+    save_checkpoint(run.accelerator, run.run_dir, run.state.step, run.step_module, run.optimizer, run.scheduler,
+                    trainer_state, run.recipe.checkpoint.keep_last)
+
+
+# -- log --------------------------------------------------------------------------------------------
+
+
+def log_train(run: Run, window: LogWindow, prepare_seconds: float) -> dict[str, float]:
+    """The window's metrics, each a mean over this process's micro-batches and then over the processes;
+    throughput over this window only, so warm-up does not dilute it."""
+    local = mean_over_batches(window.history)
+    local["_tokens"] = float(window.tokens)
+    local["_prepare_seconds"] = prepare_seconds - window.prepare_seconds_at_start
+    reduced = mean_over_processes(run.accelerator, local)
+    elapsed = max(time.perf_counter() - window.started, 1e-9)
+    logs = {f"train/{k}": v for k, v in reduced.items() if not k.startswith("_")}
+    logs["train/tokens_per_s"] = reduced["_tokens"] * run.accelerator.num_processes / elapsed
+    # The share of the step spent making examples (the target forward, or generation).
+    logs["train/target_fraction"] = reduced["_prepare_seconds"] / elapsed
+    logs["train/lr"] = run.scheduler.get_last_lr()[0]
+    log_metrics(run, logs)
+    return logs
+
+
+def log_metrics(run: Run, metrics: dict[str, float]) -> None:
+    """To the trackers, and always to RUN/metrics.jsonl so a run describes itself without them."""
+    if not metrics:
+        return
+    run.accelerator.log(metrics, step=run.state.step)
+    if run.accelerator.is_main_process:
+        append_jsonl(run.run_dir / "metrics.jsonl", {"step": run.state.step, **metrics})
+
+
+# -- evaluate -------------------------------------------------------------------------------------
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """The loss and metrics on up to ``eval_batches`` held-out micro-batches per process, averaged
+    over them and then over the processes (every process calls this)."""
+    run.step_module.eval()
+    history = []
+    with torch.no_grad():
+        for i, batch in enumerate(run.eval_loader):
+            if i >= run.recipe.training.eval_batches:
+                break
+            loss, metrics, _ = run.step_module(batch, run.state.step, "eval")
+            history.append({"loss": loss.detach(), **metrics})
+    run.step_module.train()
+    if not history:
+        return {}
+    return {f"eval/{k}": v for k, v in mean_over_processes(run.accelerator, mean_over_batches(history)).items()}
+
+
+def finish(run: Run, show_progress: bool) -> None:
+    """The last checkpoint and eval, the final drafter, and the acceptance eval.
+
+    The acceptance eval decodes on the main process alone, after the drafter is on disk: the other
+    processes end right away instead of waiting in a barrier for its whole length.
+    """
+    accelerator, recipe = run.accelerator, run.recipe
+    ckpts = checkpoint_dirs(run.run_dir)
+    if not ckpts or ckpts[-1].name != f"step-{run.state.step:07d}":
+        save(run, "final")
+    if run.evaluated_at != run.state.step:
+        log_metrics(run, evaluate(run))
+    with full_parameters(accelerator, run.step_module):  # ZeRO-3: every process takes part in the gather
         if accelerator.is_main_process:
-            _append_jsonl(run_dir / "metrics.jsonl", {"step": step, **metrics})
-
-    def save(reason: str) -> None:
-        trainer_state = {"run": vars(state), "world_size": accelerator.num_processes, "reason": reason}
-        save_checkpoint(accelerator, run_dir, state.step, step_module, optimizer, scheduler, trainer_state,
-                        recipe.checkpoint.keep_last)
-
-    def evaluate() -> dict[str, float]:
-        step_module.eval()
-        history = []
-        with torch.no_grad():
-            for i, batch in enumerate(eval_loader):
-                if i >= tcfg.eval_batches:
-                    break
-                loss, metrics = step_module(batch, target_outputs(batch, "eval"))
-                history.append({"loss": loss.detach(), **metrics})
-        step_module.train()
-        if not history:
-            return {}
-        return {f"eval/{k}": v for k, v in _mean_metrics(history).items()}
-
-    bar = tqdm(total=total_steps, initial=state.step, disable=not (show_progress and accelerator.is_local_main_process),
-               desc="train", unit="step", dynamic_ncols=True)
-    history: list[dict[str, torch.Tensor]] = []
-    evaluated_at = None  # the step of the last periodic eval: the final eval does not repeat it
-    t_start, tokens_at_start, target_seconds = time.perf_counter(), state.tokens, 0.0
-    step_module.train()
-    with StopRequested() as stop:
-        while state.step < total_steps:
-            loader.set_epoch(state.epoch)
-            epoch_loader = accelerator.skip_first_batches(loader, state.batches_in_epoch) if state.batches_in_epoch else loader
-            for batch in epoch_loader:
-                state.batches_in_epoch += 1
-                with accelerator.accumulate(step_module):
-                    t0 = time.perf_counter()
-                    target_out = target_outputs(batch)
-                    target_seconds += time.perf_counter() - t0
-                    loss, metrics = step_module(batch, target_out)
-                    if not torch.isfinite(loss):
-                        last = checkpoint_dirs(run_dir)
-                        kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
-                        raise SpecdraftError(
-                            f"loss is {loss.item()} at step {state.step + 1} (epoch {state.epoch}); stopped, {kept}. "
-                            "Lower optimizer.lr, set training.max_grad_norm, or use bf16 instead of fp16."
-                        )
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and tcfg.clip_grad_value:
-                        accelerator.clip_grad_value_(step_module.parameters(), tcfg.clip_grad_value)
-                    if accelerator.sync_gradients and tcfg.max_grad_norm:
-                        accelerator.clip_grad_norm_(step_module.parameters(), tcfg.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                state.tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
-                history.append({"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}})
-                if not accelerator.sync_gradients:
-                    continue
-                scheduler.step()
-                state.step += 1
-                bar.update(1)
-                if state.step % tcfg.log_every == 0 or state.step == total_steps:
-                    logs = {f"train/{k}": v for k, v in _mean_metrics(history).items()}
-                    # Throughput over this log window only, so warm-up does not dilute it.
-                    elapsed = time.perf_counter() - t_start
-                    logs["train/tokens_per_s"] = (state.tokens - tokens_at_start) / max(elapsed, 1e-9)
-                    logs["train/target_fraction"] = target_seconds / max(elapsed, 1e-9)
-                    logs["train/lr"] = scheduler.get_last_lr()[0]
-                    t_start, tokens_at_start, target_seconds = time.perf_counter(), state.tokens, 0.0
-                    log_metrics(logs, state.step)
-                    bar.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in logs.items()
-                                     if k.split("/")[-1] in ("loss", "acc_0", "sim_accept_len", "tokens_per_s")})
-                    history.clear()
-                if tcfg.eval_every and state.step % tcfg.eval_every == 0:
-                    log_metrics(evaluate(), state.step)
-                    evaluated_at = state.step
-                if state.step % recipe.checkpoint.save_every == 0 or stop.requested:
-                    save("signal" if stop.requested else "periodic")
-                if stop.requested:
-                    accelerator.print(f"stopped by signal at step {state.step}; resume with --resume")
-                    bar.close()
-                    accelerator.end_training()
-                    return run_dir
-                if state.step >= total_steps:
-                    break
-            else:
-                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-    bar.close()
-    if not checkpoint_dirs(run_dir) or checkpoint_dirs(run_dir)[-1].name != f"step-{state.step:07d}":
-        save("final")
-    if evaluated_at != state.step:
-        log_metrics(evaluate(), state.step)
-    with full_parameters(accelerator, step_module):  # ZeRO-3: every process takes part in the gather
-        if accelerator.is_main_process:
-            _write_final_drafter(run_dir, step_module, accelerator)
+            with atomic_folder(run.run_dir / "drafter") as tmp:
+                accelerator.unwrap_model(run.step_module).save_pretrained(tmp)
+    accelerator.wait_for_everyone()  # the last collective: the drafter is written
     if accelerator.is_main_process and recipe.eval.enabled:
         # The saved drafter, reloaded: what is evaluated is exactly what was written (and under
         # ZeRO-3 the live parameters are partitioned across processes).
-        wandb_run = accelerator.get_tracker("wandb", unwrap=True) if "wandb" in trackers else None
-        acceptance_eval(recipe, target, load_drafter(run_dir / "drafter", target), run_dir / "eval",
+        wandb_run = accelerator.get_tracker("wandb", unwrap=True) if "wandb" in run.trackers else None
+        acceptance_eval(recipe, run.target, load_drafter(run.run_dir / "drafter", run.target), run.run_dir / "eval",
                         wandb_run, show_progress)
-    accelerator.wait_for_everyone()
     accelerator.end_training()
-    return run_dir
 
 
 def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path, wandb_run=None,
@@ -378,7 +412,7 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
     from .decoding.sampling import SamplingParams
     from .decoding.sources import PromptLookupSource
     from .evaluation.report import format_table
-    from .evaluation.run import evaluate
+    from .evaluation.run import evaluate as evaluate_decoding
 
     cfg = recipe.eval
     if not cfg.prompts:
@@ -390,20 +424,10 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
         sources = {recipe.drafter_family: drafter.draft_source(target)}
         if cfg.prompt_lookup_baseline:
             sources["prompt-lookup"] = PromptLookupSource()
-        results[temperature] = evaluate(
+        results[temperature] = evaluate_decoding(
             target, sources, cfg.prompts, SamplingParams(temperature=temperature), k=cfg.k,
             max_new_tokens=cfg.max_new_tokens, out_dir=out_dir / f"temperature-{temperature:g}",
             num_prompts=cfg.num_prompts, wandb_run=wandb_run, show_progress=show_progress,
         )
         print(format_table(results[temperature]))
     return results
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _write_final_drafter(run_dir: Path, step_module, accelerator) -> None:
-    with atomic_folder(run_dir / "drafter") as tmp:
-        accelerator.unwrap_model(step_module).save_pretrained(tmp)

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specdraft.contract import Family, LossOutput, TargetNeeds, target_example
 from specdraft.drafters import FAMILIES
-from specdraft.drafters.base import Family, LossOutput
+
+NEEDS = TargetNeeds(final_hidden=True)  # it reads the final hidden state, and no logits
 
 
 @dataclass
@@ -34,6 +36,7 @@ class ProbeConfig:
 
 class Probe(nn.Module):
     family = "probe"
+    needs = NEEDS
 
     def __init__(self, hidden: int, vocab: int, cfg: ProbeConfig):
         super().__init__()
@@ -54,9 +57,15 @@ class Probe(nn.Module):
                 os.kill(os.getpid(), getattr(signal, name))
         return Probe.calls == int(os.environ.get("PROBE_NAN_AT_CALL", 0))
 
+    def trained_module(self):
+        return self
+
+    def prepare(self, batch, context):
+        return target_example(batch, context, self.needs)
+
     def compute_loss(self, batch, target_out):
         make_nan = self._fault_injection()
-        feature = target_out.last_hidden.float()
+        feature = target_out.final_hidden.float()
         if self.training:
             scale = self.cfg.noise * (0.5 + random.random()) * (0.5 + np.random.random())
             feature = feature + scale * torch.randn_like(feature)
@@ -68,9 +77,6 @@ class Probe(nn.Module):
             loss = loss * float("nan")
         acc = (logits[mask].argmax(-1) == labels[mask]).float().mean()
         return LossOutput(loss, {"acc_0": acc.detach()})
-
-    def trainable_parameters(self):
-        return list(self.parameters())
 
     def save_pretrained(self, path):
         path = Path(path)
@@ -84,6 +90,7 @@ def build(target, cfg, draft_vocab=None):
     # Its own seed: the initial weights do not depend on how much RNG loading the target consumed.
     torch.manual_seed(1234)
     probe = Probe(target.hidden_size, target.vocab_size, cfg)
+    target.require(probe.needs)
     seed = 1234 + (dist.get_rank() if dist.is_initialized() else 0)  # one noise stream per process
     torch.manual_seed(seed)
     random.seed(seed)
@@ -98,4 +105,4 @@ def load(path, target=None):
     return model
 
 
-FAMILIES["probe"] = Family("probe", ProbeConfig, build, load, exporters={})
+FAMILIES["probe"] = Family("probe", ProbeConfig, lambda cfg, target_config: NEEDS, build, load)

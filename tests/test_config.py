@@ -125,16 +125,17 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
     from specdraft.data.vocab import DraftVocab
     from specdraft.drafters import get_family
     from specdraft.target import FrozenTarget
+    from specdraft.train import recipe_needs
 
     recipe = load_recipe(path)
     config = target_config_for(recipe.target.path)
-    target = FrozenTarget.from_config(config, taps=recipe.target.taps, device="meta")
+    target = FrozenTarget.from_config(config, needs=recipe_needs(recipe, config), device="meta")
     family = get_family(recipe.drafter_family)
     vocab = None
     if family.needs_draft_vocab:
         vocab = DraftVocab.from_target_ids(torch.arange(recipe.drafter.draft_vocab_size), config.vocab_size)
     drafter = family.build(target, recipe.drafter, vocab)
-    trainable = sum(p.numel() for p in drafter.trainable_parameters())
+    trainable = sum(p.numel() for p in drafter.trained_module().parameters())
     H, I = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -147,7 +148,7 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
         expected = 2 * H * H + H * recipe.drafter.fc_bias + H * (q + 2 * kv) + q * H + 3 * H * I + H
     if recipe.target.path != "toy":  # the toy's arch flags are checked in the drafter's own tests
         assert trainable == expected, (trainable, expected)
-    assert all(p.device.type == "meta" for p in drafter.trainable_parameters())
+    assert all(p.device.type == "meta" for p in drafter.trained_module().parameters())
 
 
 def test_family_paper_defaults_fill_what_the_recipe_leaves_unset():

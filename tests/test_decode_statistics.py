@@ -29,6 +29,7 @@ from test_verify_statistics import Check, assert_all_pass, l1_check, martingale_
 from tiny import seeded_init_, tiny_llama
 from transformers import LlamaConfig
 
+from specdraft.contract import TargetNeeds
 from specdraft.data.vocab import DraftVocab
 from specdraft.decoding.sampling import SamplingParams, logits_to_probs
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
@@ -94,7 +95,7 @@ def eagle_setup(family: str):
     related to p, and the draft vocabulary misses 6 target tokens (q = 0 there)."""
     config = LlamaConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=64, vocab_size=EAGLE_VOCAB, max_position_embeddings=64)  # fmt: skip
-    target = FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")
+    target = FrozenTarget.from_config(config, needs=TargetNeeds(taps=(1, 2, 3)), device="cpu")
     seeded_init_(target.model, seed=0, std=0.5)
     fam = get_family(family)
     torch.manual_seed(0)  # the drafter's own layers: PyTorch's default init, from a fixed seed

@@ -20,7 +20,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.train import train
 from spine import (DDP_ENV, SAME_WEIGHTS_REL, KilledRun, assert_logged_lr_schedule,
                    assert_same_weights, built_killed_run, ddp_launcher, largest_relative_change, make_chat_data,
-                   make_recipe, write_recipe)
+                   make_recipe, read_metrics, write_recipe)
 from tiny import save_tiny_target
 
 
@@ -59,6 +59,15 @@ def test_two_process_ddp_equals_one_process_with_double_accumulation(tmp_path):
     # Training moved the weights between step 1 and step 3 by more than that tolerance: the
     # comparison above is not one of two idle copies.
     assert largest_relative_change(a, first) > SAME_WEIGHTS_REL
+    # The logged training metrics are means over both processes' micro-batches, as one process
+    # logs the mean over all four: process 0's own mean covers only half of them.
+    logged = [{m["step"]: m for m in read_metrics(tmp_path / name / "run") if "train/loss" in m}
+              for name in ("one", "two")]
+    assert logged[0].keys() == logged[1].keys() == {1, 2, 3}
+    for step in logged[0]:
+        for key in ("train/loss", "train/loss_0", "train/acc_0"):
+            assert logged[1][step][key] == pytest.approx(logged[0][step][key], rel=1e-5, abs=1e-7), \
+                f"step {step}: two processes logged {key} {logged[1][step][key]}, one process {logged[0][step][key]}"
 
 
 # 27 chats: 24 train, 12 micro-batches of 2, 6 per process; with grad_accumulation 2 an epoch is

@@ -10,13 +10,22 @@ import torch
 from safetensors.torch import load_file
 from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from specdraft.chain_metrics import chain_accuracy_metrics
+from specdraft.contract import Drafter, TargetNeeds, TrainingContext
 from specdraft.data.vocab import DraftVocab
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, get_family, load_drafter
 from specdraft.drafters.eagle1 import EAGLE1, Eagle1Config
 from specdraft.drafters.eagle3 import EAGLE3, Eagle3Config
 from specdraft.drafters.eagle_common import shift_left
+from specdraft.drafters.eagle_losses import (
+    draft_vocab_probs,
+    eagle1_loss,
+    label_in_draft_vocab,
+    ttt_step_weights,
+)
 from specdraft.errors import SpecdraftError
+from specdraft.losses import smooth_l1, soft_cross_entropy
 from specdraft.masks import block_causal_mask
 from specdraft.target import FrozenTarget
 from tiny import assert_close, seeded_init_
@@ -35,9 +44,10 @@ ARCHS = {
 
 
 def tiny_target(arch: str = "llama", taps=(1, 2, 3)) -> FrozenTarget:
-    """Weights drawn by seeded_init_, not by transformers' init, so pinned values hold across versions."""
+    """Weights drawn by seeded_init_, not by transformers' init, so pinned values hold across versions.
+    It taps ``taps`` and computes the final hidden state: what either family's drafter reads."""
     config = ARCHS[arch]()
-    target = FrozenTarget.from_config(config, taps=list(taps), device="cpu")
+    target = FrozenTarget.from_config(config, needs=TargetNeeds(taps=taps, final_hidden=True), device="cpu")
     seeded_init_(target.model, seed=0, std=config.initializer_range)
     return target
 
@@ -64,9 +74,45 @@ def build(family: str, target, **cfg):
 FAMILY_CFG = {"eagle1": {}, "eagle3": {"ttt_steps": 3}}
 
 
+def trainable(drafter):
+    return [p for p in drafter.trained_module().parameters() if p.requires_grad]
+
+
 def test_families_are_registered():
     assert FAMILIES["eagle1"] is EAGLE1 and FAMILIES["eagle3"] is EAGLE3
     assert EAGLE3.needs_draft_vocab and not EAGLE1.needs_draft_vocab
+    assert set(EAGLE1.exporters) == set(EAGLE3.exporters) == {"sglang", "vllm"}
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_drafters_fill_the_contract(family):
+    target = tiny_target()
+    drafter = build(family, target, **FAMILY_CFG[family])
+    assert isinstance(drafter, Drafter)
+    assert drafter.trained_module() is drafter  # its own weights; the target's stay borrowed
+    assert all(p.requires_grad for p in trainable(drafter))
+
+
+def test_family_needs_are_declared_before_anything_loads():
+    """From the target's config alone: EAGLE-1 the final hidden state and full logits; EAGLE-3 its three
+    layers and, with a reduced draft vocabulary, only the draft rows of the logits."""
+    config = LlamaConfig(**{**COMMON, "num_hidden_layers": 32})
+    assert EAGLE1.needs(Eagle1Config(), config) == TargetNeeds(logits="full", final_hidden=True)
+    assert EAGLE3.needs(Eagle3Config(draft_vocab_size=100), config) == TargetNeeds(logits="draft_rows",
+                                                                                   taps=(2, 16, 29))
+    assert EAGLE3.needs(Eagle3Config(draft_vocab_size=None), config).logits == "full"  # the whole vocabulary
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_building_a_drafter_makes_the_target_compute_what_it_reads(family):
+    target = FrozenTarget.from_config(LlamaConfig(**{**COMMON, "num_hidden_layers": 8}), device="cpu")  # computes
+    seeded_init_(target.model, seed=0)  # no feature yet
+    drafter = build(family, target, **FAMILY_CFG[family])
+    assert target.needs.final_hidden == (family == "eagle1")
+    assert target.taps == (() if family == "eagle1" else (2, 4, 5))
+    batch = make_batch()
+    out = drafter.prepare(batch, TrainingContext(target)).target
+    assert torch.isfinite(drafter.compute_loss(batch, out).loss)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -76,7 +122,7 @@ def test_a_few_training_steps_reduce_the_loss(family, arch):
     batch = make_batch()
     target_out = target.forward_batch(batch)
     drafter = build(family, target, **FAMILY_CFG[family])
-    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(trainable(drafter), lr=3e-3)
     losses = []
     for _ in range(20):
         out = drafter.compute_loss(batch, target_out)
@@ -88,7 +134,7 @@ def test_a_few_training_steps_reduce_the_loss(family, arch):
     assert losses[-1] < 0.85 * losses[0]
     # The target's own weights were never touched nor handed to the optimizer.
     assert all(not p.requires_grad for p in target.parameters())
-    assert not any(p is target.embed_tokens.weight for p in drafter.trainable_parameters())
+    assert not any(p is target.embed_tokens.weight for p in trainable(drafter))
 
 
 def test_eagle3_metrics_have_one_entry_per_step():
@@ -229,8 +275,8 @@ def test_packed_rows_match_the_documents_run_alone():
         packed_steps = eagle3.unroll(packed_out.aux_hidden, packed, positions, mask)
         alone_steps = eagle3.unroll(alone_out.aux_hidden, doc_b, torch.arange(7)[None], alone_mask)
         pairs = [(packed_steps[k][:, 9 : 15 - k], alone_steps[k][:, : 6 - k]) for k in range(3)]
-        packed_pred = eagle1.draft_step(packed_out.last_hidden, shift_left(packed, 1), positions, mask=mask)
-        alone_pred = eagle1.draft_step(alone_out.last_hidden, shift_left(doc_b, 1), torch.arange(7)[None],
+        packed_pred = eagle1.draft_step(packed_out.final_hidden, shift_left(packed, 1), positions, mask=mask)
+        alone_pred = eagle1.draft_step(alone_out.final_hidden, shift_left(doc_b, 1), torch.arange(7)[None],
                                        mask=alone_mask)
         pairs.append((packed_pred[:, 9:15], alone_pred[:, :6]))
         return [((a - b).abs().max() / torch.maximum(a.abs().max(), b.abs().max())).item() for a, b in pairs]
@@ -266,7 +312,7 @@ def test_save_load_gives_identical_logits(family, arch, tmp_path):
     batch = make_batch()
     target_out = target.forward_batch(batch)
     drafter = build(family, target, **FAMILY_CFG[family])
-    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(trainable(drafter), lr=3e-3)
     for _ in range(2):  # move away from the initialisation
         drafter.compute_loss(batch, target_out).loss.backward()
         optimizer.step()
@@ -289,7 +335,7 @@ def test_save_load_gives_identical_logits(family, arch, tmp_path):
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert saved["family"] == family
     assert saved["target_config"]["hidden_size"] == 64 and saved["target_config"]["model_type"] == arch
-    assert saved["target_taps"] == (target.taps if family == "eagle3" else [])
+    assert saved["target_taps"] == (list(target.taps) if family == "eagle3" else [])
     assert saved["draft_vocab_size"] == VOCAB
     tensors = load_file(tmp_path / "drafter" / "model.safetensors")
     assert set(tensors) == set(drafter.state_dict())
@@ -337,10 +383,10 @@ def _hand_count(family, H, inner, heads, kv_heads, head_dim, qk_norm=False, draf
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen3-8b"])
 def test_real_model_sizes_on_meta(family, model):
     config = LlamaConfig(**LLAMA_31_8B) if model == "llama-3.1-8b" else Qwen3Config(**QWEN3_8B)
-    target = FrozenTarget.from_config(config, taps="eagle3", device="meta")
+    target = FrozenTarget.from_config(config, device="meta")
     fam = get_family(family)
     drafter = fam.build(target, fam.config_cls())
-    count = sum(p.numel() for p in drafter.trainable_parameters())
+    count = sum(p.numel() for p in trainable(drafter))
     expected = _hand_count(family, 4096, config.intermediate_size, 32, 8, 128, qk_norm=model == "qwen3-8b")
     assert count == expected
     assert all(p.device.type == "meta" for p in drafter.parameters())
@@ -356,7 +402,7 @@ def test_real_model_sizes_on_meta(family, model):
 def test_unknown_target_architecture_names_the_supported_ones(family):
     gemma = GemmaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=128, vocab_size=VOCAB, head_dim=16)
-    target = FrozenTarget.from_config(gemma, taps=[1, 2, 3], device="meta")
+    target = FrozenTarget.from_config(gemma, needs=TargetNeeds(taps=(1, 2, 3)), device="meta")
     with pytest.raises(SpecdraftError, match="LlamaDecoderLayer.*Qwen3DecoderLayer.*GemmaDecoderLayer"):
         get_family(family).build(target, get_family(family).config_cls())
 
@@ -401,11 +447,11 @@ def test_bad_config_values(make, match):
 def test_loading_onto_the_wrong_target_is_refused(tmp_path):
     target = tiny_target()
     build("eagle3", target, ttt_steps=1).save_pretrained(tmp_path / "d")
-    wide = FrozenTarget.from_config(LlamaConfig(**{**COMMON, "hidden_size": 128}), taps=[1, 2, 3], device="cpu")
+    wide = FrozenTarget.from_config(LlamaConfig(**{**COMMON, "hidden_size": 128}), device="cpu")
     with pytest.raises(SpecdraftError, match="hidden_size=64"):
         load_drafter(tmp_path / "d", wide)
-    with pytest.raises(SpecdraftError, match="taps"):
-        load_drafter(tmp_path / "d", tiny_target(taps=[0, 1, 2]))
+    with pytest.raises(SpecdraftError, match=r"reads target layers \[1, 2, 3\] \(taps\).*already taps \[0, 1, 2\]"):
+        load_drafter(tmp_path / "d", tiny_target(taps=(0, 1, 2)))
     with pytest.raises(SpecdraftError, match="not 'eagle1'"):
         EAGLE1.load(tmp_path / "d", target)
 
@@ -439,3 +485,100 @@ def test_an_fp32_drafter_trains_and_drafts_on_a_bf16_target(family):
     source = drafter.draft_source(target)
     source.start(batch["input_ids"][:1, :8], target(batch["input_ids"][:1, :8]))
     assert source.propose(batch["input_ids"][:1, 8:9], 3, SamplingParams(), None).tokens.shape == (1, 3)
+
+
+# -- EAGLE's training objectives (specdraft/drafters/eagle_losses.py) ---------------------------------
+
+
+def test_eagle1_loss_is_regression_plus_weighted_classification():
+    g = torch.Generator().manual_seed(0)
+    pred, feat = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+    logits, probs = torch.randn(2, 4, 11, generator=g), torch.softmax(torch.randn(2, 4, 11, generator=g), -1)
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]])
+    total, reg, cls = eagle1_loss(pred, feat, logits, probs, mask, cls_weight=0.1)
+    assert reg.item() == pytest.approx(smooth_l1(pred, feat, mask).item())
+    assert cls.item() == pytest.approx(soft_cross_entropy(logits, probs, mask).item())
+    assert total.item() == pytest.approx(reg.item() + 0.1 * cls.item())
+
+
+def test_draft_vocab_probs_renormalise_over_the_draft_rows_however_the_target_gave_them():
+    from specdraft.contract import TargetOutputs
+
+    # Target vocabulary of 4; the draft keeps ids 1 and 3.
+    draft_ids = torch.tensor([1, 3])
+    full = torch.log(torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]]))
+    expected = torch.tensor([[[0.2 / 0.6, 0.4 / 0.6], [0.5, 0.5]]])
+    assert torch.allclose(draft_vocab_probs(TargetOutputs(logits=full), draft_ids), expected)
+    rows_only = TargetOutputs(logits=full[..., draft_ids], vocab_rows=draft_ids)
+    assert torch.allclose(draft_vocab_probs(rows_only, draft_ids), expected)
+    with pytest.raises(SpecdraftError, match="cover 1 vocabulary rows.*has 2"):
+        draft_vocab_probs(TargetOutputs(logits=full[..., :1], vocab_rows=torch.tensor([1])), draft_ids)
+
+
+def test_positions_count_where_the_datas_next_token_is_in_the_draft_vocabulary():
+    t2d = torch.tensor([False, True, False, True])
+    assert label_in_draft_vocab(torch.tensor([[0, 1, 3, 2]]), t2d).tolist() == [[False, True, True, False]]
+
+
+def test_eagle3_trains_on_the_draft_rows_alone_as_on_the_full_logits():
+    """With a reduced vocabulary EAGLE-3 asks the target for its rows only: [B, T, N], never V wide, and
+    the loss is the one the full logits give (float32 rounding of a smaller matmul apart)."""
+    target = tiny_target()
+    keep = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:40]
+    torch.manual_seed(0)
+    drafter = EAGLE3.build(target, Eagle3Config(ttt_steps=3, draft_vocab_size=40),
+                           DraftVocab.from_target_ids(keep, VOCAB))
+    assert drafter.needs.logits == "draft_rows"
+    batch = make_batch()
+    example = drafter.prepare(batch, TrainingContext(target))
+    assert example.target.logits.shape == (2, 24, 40) and example.target.vocab_rows is drafter.draft_ids
+    from_rows = drafter.compute_loss(example.batch, example.target)
+    from_full = drafter.compute_loss(batch, target.forward_batch(batch))
+    assert from_rows.loss.item() == pytest.approx(from_full.loss.item(), rel=1e-6)
+    for name in ("acc_0", "acc_2", "sim_accept_len"):
+        assert from_rows.metrics[name].item() == pytest.approx(from_full.metrics[name].item(), abs=1e-6), name
+
+
+def test_eagle3_counts_only_positions_whose_next_token_the_draft_can_emit():
+    """Tokens outside the draft vocabulary are never predicted: changing the data there (and so only
+    the positions that predict it) leaves the loss where it is."""
+    target = tiny_target()
+    keep = torch.arange(0, VOCAB, 2)  # even ids only
+    torch.manual_seed(0)
+    drafter = EAGLE3.build(target, Eagle3Config(ttt_steps=2, draft_vocab_size=len(keep)),
+                           DraftVocab.from_target_ids(keep, VOCAB)).eval()
+    batch = make_batch(B=1, T=16)
+    ids = batch["input_ids"]
+    ids[0, 10] = 7  # odd: outside the draft vocabulary
+    target_out = target.forward_batch(batch, "draft_rows", drafter.draft_ids)
+    base = drafter.compute_loss(batch, target_out)
+    # Positions 8 and 9 predict token 10 at steps 0 and 1; the target's p there is tampered with.
+    tampered = target_out.slice(slice(0, 16))
+    tampered.logits = target_out.logits.clone()
+    tampered.logits[:, 9] = torch.randn(len(keep), generator=torch.Generator().manual_seed(1)) * 10
+    assert drafter.compute_loss(batch, tampered).loss.item() == pytest.approx(base.loss.item(), rel=1e-6)
+    ids[0, 10] = 8  # even: now it counts, and the tampered p moves the loss
+    base = drafter.compute_loss(batch, target.forward_batch(batch, "draft_rows", drafter.draft_ids))
+    assert drafter.compute_loss(batch, tampered).loss.item() != pytest.approx(base.loss.item(), rel=1e-3)
+
+
+def test_ttt_step_weights_decay_geometrically():
+    assert ttt_step_weights(4, 0.8) == pytest.approx([1.0, 0.8, 0.64, 0.512])
+
+
+def test_chain_accuracy_metrics_by_hand():
+    # 4 chains; step 1 has one row fewer (it ran out of sequence).
+    correct = [torch.tensor([[True, True, False, True]]), torch.tensor([[True, False, True]])]
+    counted = [torch.tensor([[True, True, True, False]]), torch.tensor([[True, True, True]])]
+    m = chain_accuracy_metrics(correct, counted)
+    assert m["acc_0"].item() == pytest.approx(2 / 3)  # rows 0..2 counted, rows 0 and 1 right
+    assert m["cond_acc_0"].item() == pytest.approx(2 / 3)
+    assert m["acc_1"].item() == pytest.approx(2 / 3)
+    # Given step 0 counted and right (rows 0, 1), step 1 is right on row 0 only.
+    assert m["cond_acc_1"].item() == pytest.approx(1 / 2)
+    assert m["sim_accept_len"].item() == pytest.approx(2 / 3 + (2 / 3) * (2 / 3))
+
+
+def test_chain_accuracy_metrics_are_zero_not_nan_when_nothing_counts():
+    m = chain_accuracy_metrics([torch.ones(1, 3, dtype=torch.bool)], [torch.zeros(1, 3, dtype=torch.bool)])
+    assert m["acc_0"].item() == 0.0 and m["cond_acc_0"].item() == 0.0 and m["sim_accept_len"].item() == 0.0

@@ -8,6 +8,7 @@ import torch
 from tiny import seeded_init_
 from transformers import LlamaConfig
 
+from specdraft.contract import TargetNeeds
 from specdraft.data.vocab import DraftVocab, top_tokens
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.speculative import plain_decode, speculative_decode
@@ -28,7 +29,8 @@ RTOL, ATOL = 1e-4, 1e-7
 def tiny_target() -> FrozenTarget:
     config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)
-    target = FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")  # low, middle, high of 4 layers
+    # low, middle and high of 4 layers
+    target = FrozenTarget.from_config(config, needs=TargetNeeds(taps=(1, 2, 3)), device="cpu")
     # Weights of std 0.3 from a seeded generator: peaked next-token distributions, so greedy
     # decoding is not a coin toss, whatever global RNG transformers' init consumes.
     seeded_init_(target.model, seed=0, std=0.3)
@@ -159,7 +161,7 @@ def overfit(drafter, target, ids, steps):
     """Train the drafter on one sequence until it predicts it: decoding then accepts drafts."""
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     target_out = target.forward_batch(batch)
-    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(drafter.trained_module().parameters(), lr=1e-2)
     for _ in range(steps):
         optimizer.zero_grad()
         drafter.compute_loss(batch, target_out).loss.backward()

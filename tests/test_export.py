@@ -30,7 +30,10 @@ from specdraft.cli import main
 from specdraft.data.vocab import DraftVocab
 from specdraft.drafters import FAMILIES
 from specdraft.errors import SpecdraftError
-from specdraft.export import _rope_fields, export, load_exported, read_target_embedding
+from specdraft.contract import TargetNeeds
+from specdraft.drafters.eagle3 import eagle3_default_taps
+from specdraft.drafters.eagle_export import _rope_fields
+from specdraft.export import export, load_exported, read_target_embedding
 from specdraft.target import FrozenTarget
 from tiny import seeded_init_
 
@@ -46,9 +49,12 @@ RTOL, ATOL = 1e-4, 1e-4
 
 
 def tiny_target(config_cls=LlamaConfig, taps=None, seed=0, **overrides):
+    """taps: "eagle3" (EAGLE-3's default layers for this depth), a list, or None."""
     config = config_cls(**{**TINY, **overrides})
     config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
-    target = FrozenTarget.from_config(config, taps=taps, device="cpu")
+    if taps == "eagle3":
+        taps = eagle3_default_taps(config.num_hidden_layers)
+    target = FrozenTarget.from_config(config, needs=TargetNeeds(taps=taps or (), final_hidden=True), device="cpu")
     seeded_init_(target.model, seed=seed, std=config.initializer_range)
     return target
 
@@ -294,7 +300,7 @@ def eagle1_logits(w, target, ids=IDS):
     input norm, the target's LM head on the pre-norm output."""
     T = ids.shape[1] - 1
     with torch.no_grad():
-        x = torch.cat([w["embed"][ids[:, 1:]], target(ids).last_hidden[:, :T]], dim=-1) @ w["fc"].T
+        x = torch.cat([w["embed"][ids[:, 1:]], target(ids).final_hidden[:, :T]], dim=-1) @ w["fc"].T
         if "fc_bias" in w:
             x = x + w["fc_bias"]
         h = x + attention(x, w)
@@ -687,9 +693,9 @@ def e3_full(tmp_path_factory):
 
 def test_sglang_eagle3_loads_and_runs_the_trained_drafter(e3, tmp_path):
     target, drafter, run, _ = e3
-    assert target.taps == [2, 4, 5]
+    assert target.taps == (2, 4, 5)
     taps, w = sglang_eagle3_loads(export(run, "sglang", tmp_path / "sglang"), target)
-    assert taps == target.taps
+    assert taps == list(target.taps)
     assert torch.equal(w["to_target"], drafter.draft_to_target)
     assert_same_logits(eagle3_logits(w, target), drafter, target)
 
@@ -730,7 +736,7 @@ def test_vllm_eagle3_loads_as_speculators(e3, tmp_path):
     target, drafter, run, target_dir = e3
     out = export(run, "vllm", tmp_path / "vllm")
     c, taps, w, k, verifier, shared = vllm_eagle3_loads(out, target)
-    assert taps == target.taps  # vLLM's ids are our taps
+    assert taps == list(target.taps)  # vLLM's ids are our taps
     assert torch.equal(w["to_target"], drafter.draft_to_target)
     assert shared  # the shipped embedding is the target's, so vLLM keeps the target's own
     assert (k, verifier) == (4, str(target_dir.resolve()))  # eval.k and target.path from the run's recipe
@@ -786,7 +792,7 @@ def test_full_vocabulary_eagle3_loads_in_every_consumer(e3_full, tmp_path):
     assert read(sglang_out)[0]["draft_vocab_size"] == read(sglang_out)[0]["vocab_size"] == 256
 
     c, taps, w, _, _, _ = vllm_eagle3_loads(vllm_out, target)
-    assert w["to_target"] is None and taps == target.taps
+    assert w["to_target"] is None and taps == list(target.taps)
     assert_same_logits(eagle3_logits(w, target), drafter, target)
     assert_same_logits(eagle3_logits(speculators_eagle3_loads(vllm_out, target), target), drafter, target)
     _, w = sglang_eagle3_loads(sglang_out, target)
@@ -1100,7 +1106,10 @@ def test_engine_exports_need_the_target(e3, llama_target_dir, tmp_path):
 
 def test_cli(e3, tmp_path, capsys):
     assert main(["export", str(e3[2]), "--format", "vllm", "--out", str(tmp_path / "out")]) == 0
-    assert f"vllm serve {e3[3].resolve()} --speculative-config" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"vllm serve {e3[3].resolve()} --speculative-config" in printed
+    out = tmp_path / "out"
+    assert "'{" + f'"method": "eagle3", "model": "{out}", "num_speculative_tokens": K' + "}'" in printed
     assert main(["export", str(e3[2]), "--format", "vllm", "--out", str(tmp_path / "out")]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(e3[2]), "--format", "sglang", "--out", str(tmp_path / "s"), "--target", "/no/x"]) == 2
@@ -1122,3 +1131,30 @@ def test_a_bf16_export_reads_back_on_the_float32_target(tmp_path):
     assert torch.equal(load_exported(out, original).lm_head.weight, drafter.lm_head.weight)
     with pytest.raises(SpecdraftError, match="not this target's"):  # another target is still refused
         load_exported(out, tiny_target(taps="eagle3", seed=6))
+
+
+def test_a_familys_own_exporter_is_what_the_driver_runs(e3, tmp_path, monkeypatch, capsys):
+    """Formats belong to the family (Family.exporters): a family registered with its own exporter gets
+    it written, named in the serve hint, checked and read back, with nothing in export.py about it."""
+    import dataclasses
+
+    from specdraft.contract import Exporter
+    from specdraft.drafters import FAMILIES
+
+    def write(saved, tensors, opts):
+        return {"kind": "reversed", "k": opts.num_speculative_tokens}, {f"r.{k}": t for k, t in tensors.items()}
+
+    def read_back(saved, tensors):
+        return {k.removeprefix("r."): t for k, t in tensors.items()}
+
+    own = Exporter(write, read_back, serve_hint="serve {out} on TARGET")
+    monkeypatch.setitem(FAMILIES, "eagle3", dataclasses.replace(FAMILIES["eagle3"], exporters={"mine": own}))
+    target, drafter, run, target_dir = e3
+    assert main(["export", str(run), "--format", "mine", "--out", str(tmp_path / "mine")]) == 0
+    assert f"serve {tmp_path / 'mine'} on {target_dir.resolve()}" in capsys.readouterr().out
+    config, tensors = read(tmp_path / "mine")
+    assert config == {"kind": "reversed", "k": 4} and "r.fc.weight" in tensors
+    loaded = load_exported(tmp_path / "mine", target)
+    assert torch.equal(loaded.fc.weight, drafter.fc.weight)
+    with pytest.raises(SpecdraftError, match="cannot be exported as sglang.*Formats for eagle3: hf, mine"):
+        export(run, "sglang", tmp_path / "sg")

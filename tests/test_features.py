@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from specdraft import features as features_module
 from specdraft.config import parse_recipe
+from specdraft.contract import TargetNeeds
 from specdraft.errors import SpecdraftError
 from specdraft.features import cache_features
 from specdraft.target import FrozenTarget
@@ -36,14 +37,15 @@ def test_cache_reads_back_bit_identical_to_online(tmp_path, target_dir, capsys):
     recipe = recipe_for(tmp_path, target_dir, data)
     folder = cache_features(recipe, show_progress=False)
     assert "GiB needed" in capsys.readouterr().out
-    target = FrozenTarget.from_pretrained(target_dir, dtype="float32", taps="eagle3")
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32", needs=TargetNeeds(taps=(2, 4, 5),
+                                                                                          final_hidden=True))
     from specdraft.data.pipeline import build_datasets
 
     train_ds, _ = build_datasets(recipe.data, target.tokenizer)
     shard = load_file(folder / "train-00000.safetensors")
     for i in (0, len(train_ds) - 1):
         online = target(torch.tensor(train_ds[i]["input_ids"])[None])
-        assert torch.equal(shard[f"{i}.last"], online.last_hidden[0])
+        assert torch.equal(shard[f"{i}.last"], online.final_hidden[0])
         assert torch.equal(shard[f"{i}.aux"], online.aux_hidden[0])
 
 

@@ -1,4 +1,5 @@
-"""specdraft.losses: each loss against a hand computation."""
+"""specdraft.losses: each loss against its formula written out directly, and the properties that
+define it (KL >= 0 and 0 at equality, JSD <= log 2, TVD in [0, 1], the beta limits of JSD(beta))."""
 
 import math
 
@@ -7,14 +8,39 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.losses import (
-    eagle1_loss,
-    feature_regression_loss,
+    binary_entropy,
+    forward_kl,
+    generalized_jsd,
     masked_mean,
-    restrict_to_draft_vocab,
+    reverse_kl,
+    smooth_l1,
     soft_cross_entropy,
-    ttt_accuracy_metrics,
-    ttt_step_weights,
+    total_variation,
 )
+
+DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": generalized_jsd, "tvd": total_variation}
+
+
+def logits_pair(seed=0, shape=(3, 5, 11), scale=3.0):
+    """Draft and target logits, peaked enough that the distributions differ a lot."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * scale, torch.randn(shape, generator=g) * scale
+
+
+def everywhere(logits):
+    return torch.ones(logits.shape[:-1], dtype=torch.bool)
+
+
+# -- direct formulas, in float64 with explicit sums ------------------------------------------------
+
+
+def kl_by_hand(p, q):
+    """sum_x p log(p / q) per position, 0 log 0 = 0."""
+    return torch.where(p > 0, p * (p.log() - q.log()), torch.zeros_like(p)).sum(-1)
+
+
+def probs64(logits):
+    return torch.softmax(logits.double(), -1)
 
 
 def test_masked_mean_counts_only_masked_positions_and_is_zero_when_nothing_counts():
@@ -24,14 +50,17 @@ def test_masked_mean_counts_only_masked_positions_and_is_zero_when_nothing_count
     assert masked_mean(values, torch.zeros(1, 3)).item() == 0.0
 
 
-def test_feature_regression_is_smooth_l1_averaged_over_hidden_then_positions():
+def test_smooth_l1_is_huber_averaged_over_hidden_then_positions():
     predicted = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [9.0, 9.0]]])
     target = torch.tensor([[[0.5, 3.0], [1.0, -0.2], [0.0, 0.0]]])
     # Smooth L1 (beta 1): 0.5 x^2 below 1, |x| - 0.5 above.
     position0 = (0.5 * 0.25 + (3.0 - 0.5)) / 2  # 1.3125
     position1 = (0.5 * 1.0 + 0.5 * 0.04) / 2  # 0.26
-    loss = feature_regression_loss(predicted, target, torch.tensor([[1, 1, 0]]))
+    loss = smooth_l1(predicted, target, torch.tensor([[1, 1, 0]]))
     assert loss.item() == pytest.approx((position0 + position1) / 2)
+    # beta 2: 0.5 x^2 / 2 below 2, |x| - 1 above
+    wide = smooth_l1(predicted, target, torch.tensor([[1, 0, 0]]), beta=2.0)
+    assert wide.item() == pytest.approx((0.25 * 0.25 + (3.0 - 1.0)) / 2)
 
 
 def test_soft_cross_entropy_by_hand_and_equal_to_hard_ce_for_one_hot_targets():
@@ -46,6 +75,16 @@ def test_soft_cross_entropy_by_hand_and_equal_to_hard_ce_for_one_hot_targets():
     assert soft_cross_entropy(logits, target, torch.tensor([[0, 1]])).item() == pytest.approx(hard.item(), rel=1e-6)
 
 
+def test_soft_cross_entropy_is_entropy_plus_forward_kl():
+    """CE(P, Q) = H(P) + KL(P || Q): the two losses EAGLE and DistillSpec train on differ by a constant."""
+    draft, target = logits_pair(seed=1)
+    p = torch.softmax(target, -1)
+    entropy = -(p * p.log()).sum(-1).mean()
+    mask = everywhere(draft)
+    assert soft_cross_entropy(draft, p, mask).item() == pytest.approx(
+        (entropy + forward_kl(draft, target, mask)).item(), rel=1e-5)
+
+
 def test_soft_cross_entropy_sends_no_gradient_through_masked_positions():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 3, 5, generator=g).requires_grad_()
@@ -55,45 +94,112 @@ def test_soft_cross_entropy_sends_no_gradient_through_masked_positions():
     assert logits.grad[0, 0].abs().sum() > 0
 
 
-def test_eagle1_loss_is_regression_plus_weighted_classification():
-    g = torch.Generator().manual_seed(0)
-    pred, feat = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
-    logits, probs = torch.randn(2, 4, 11, generator=g), torch.softmax(torch.randn(2, 4, 11, generator=g), -1)
-    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]])
-    total, reg, cls = eagle1_loss(pred, feat, logits, probs, mask, cls_weight=0.1)
-    assert reg.item() == pytest.approx(feature_regression_loss(pred, feat, mask).item())
-    assert cls.item() == pytest.approx(soft_cross_entropy(logits, probs, mask).item())
-    assert total.item() == pytest.approx(reg.item() + 0.1 * cls.item())
+def test_forward_and_reverse_kl_against_the_formula():
+    draft, target = logits_pair(seed=2)
+    p, q = probs64(target), probs64(draft)
+    mask = torch.tensor([[1, 0, 1, 1, 0]] * 3, dtype=torch.bool)
+    assert forward_kl(draft, target, mask).item() == pytest.approx(kl_by_hand(p, q)[mask].mean().item(), rel=1e-5)
+    assert reverse_kl(draft, target, mask).item() == pytest.approx(kl_by_hand(q, p)[mask].mean().item(), rel=1e-5)
+    assert forward_kl(draft, target, mask).item() != pytest.approx(reverse_kl(draft, target, mask).item(), rel=1e-2)
 
 
-def test_restrict_to_draft_vocab_renormalises_and_counts_target_top1_in_vocab():
-    # Target vocabulary of 4; the draft keeps ids 1 and 3.
-    t2d = torch.tensor([False, True, False, True])
-    draft_to_target = torch.tensor([1, 3])
-    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]))
-    probs, counted = restrict_to_draft_vocab(logits, draft_to_target, t2d)
-    assert torch.allclose(probs, torch.tensor([[0.2 / 0.6, 0.4 / 0.6], [0.5, 0.5]]))
-    # Row 0's top-1 (id 3) is in the draft vocabulary; row 1's (id 0) is not.
-    assert counted.tolist() == [True, False]
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_generalized_jsd_against_the_formula(beta):
+    draft, target = logits_pair(seed=3)
+    p, q = probs64(target), probs64(draft)
+    m = beta * p + (1 - beta) * q
+    expected = (beta * kl_by_hand(p, m) + (1 - beta) * kl_by_hand(q, m)).mean()
+    assert generalized_jsd(draft, target, everywhere(draft), beta).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_ttt_step_weights_decay_geometrically():
-    assert ttt_step_weights(4, 0.8) == pytest.approx([1.0, 0.8, 0.64, 0.512])
+def test_total_variation_against_the_formula():
+    draft, target = logits_pair(seed=4)
+    expected = 0.5 * (probs64(target) - probs64(draft)).abs().sum(-1).mean()
+    assert total_variation(draft, target, everywhere(draft)).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_ttt_accuracy_metrics_by_hand():
-    # 4 chains; step 1 has one row fewer (it ran out of sequence).
-    correct = [torch.tensor([[True, True, False, True]]), torch.tensor([[True, False, True]])]
-    counted = [torch.tensor([[True, True, True, False]]), torch.tensor([[True, True, True]])]
-    m = ttt_accuracy_metrics(correct, counted)
-    assert m["acc_0"].item() == pytest.approx(2 / 3)  # rows 0..2 counted, rows 0 and 1 right
-    assert m["cond_acc_0"].item() == pytest.approx(2 / 3)
-    assert m["acc_1"].item() == pytest.approx(2 / 3)
-    # Given step 0 counted and right (rows 0, 1), step 1 is right on row 0 only.
-    assert m["cond_acc_1"].item() == pytest.approx(1 / 2)
-    assert m["sim_accept_len"].item() == pytest.approx(2 / 3 + (2 / 3) * (2 / 3))
+# -- properties --------------------------------------------------------------------------------------
 
 
-def test_ttt_accuracy_metrics_are_zero_not_nan_when_nothing_counts():
-    m = ttt_accuracy_metrics([torch.ones(1, 3, dtype=torch.bool)], [torch.zeros(1, 3, dtype=torch.bool)])
-    assert m["acc_0"].item() == 0.0 and m["cond_acc_0"].item() == 0.0 and m["sim_accept_len"].item() == 0.0
+@pytest.mark.parametrize("name", sorted(DIVERGENCES))
+def test_divergences_are_nonnegative_and_zero_at_equality(name):
+    divergence = DIVERGENCES[name]
+    for seed in range(5):
+        draft, target = logits_pair(seed=seed)
+        assert divergence(draft, target, everywhere(draft)).item() > 1e-3  # different distributions
+        # Per position too: the mean of a negative and a positive term could hide a sign error.
+        for position in range(draft.shape[1]):
+            one = torch.zeros(draft.shape[:-1], dtype=torch.bool)
+            one[:, position] = True
+            assert divergence(draft, target, one).item() >= 0.0
+        # The same distribution from shifted logits: 0 up to float32 rounding.
+        assert divergence(target + 5.0, target, everywhere(draft)).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_jsd_and_tvd_are_bounded_and_reach_the_bound_on_disjoint_supports():
+    # P and Q on disjoint tokens (-inf logits elsewhere): JSD = log 2, TVD = 1, KL would be infinite.
+    target = torch.tensor([[[0.0, 0.0, float("-inf"), float("-inf")]]])
+    draft = torch.tensor([[[float("-inf"), float("-inf"), 0.0, 0.0]]])
+    mask = everywhere(draft)
+    assert generalized_jsd(draft, target, mask).item() == pytest.approx(math.log(2), rel=1e-6)
+    assert total_variation(draft, target, mask).item() == pytest.approx(1.0, rel=1e-6)
+    for beta in (0.1, 0.3, 0.7):  # the weights' entropy bounds JSD(beta), and is reached here
+        assert generalized_jsd(draft, target, mask, beta).item() == pytest.approx(binary_entropy(beta), rel=1e-5)
+    for seed in range(10):
+        d, t = logits_pair(seed=seed, scale=20.0)  # nearly one-hot: close to the bounds
+        assert 0.0 <= total_variation(d, t, everywhere(d)).item() <= 1.0
+        for beta in (0.05, 0.5, 0.95):
+            value = generalized_jsd(d, t, everywhere(d), beta).item()
+            assert 0.0 <= value <= binary_entropy(beta) + 1e-6 <= math.log(2) + 1e-6
+
+
+def test_jsd_beta_limits_are_forward_and_reverse_kl():
+    """JSD(beta) / beta -> KL(P || Q) as beta -> 0; JSD(beta) / (1 - beta) -> KL(Q || P) as beta -> 1."""
+    draft, target = logits_pair(seed=6, scale=1.0)
+    mask = everywhere(draft)
+    fkl, rkl = forward_kl(draft, target, mask).item(), reverse_kl(draft, target, mask).item()
+    for eps in (1e-2, 1e-3):
+        low = generalized_jsd(draft, target, mask, eps).item() / eps
+        high = generalized_jsd(draft, target, mask, 1 - eps).item() / eps
+        assert low == pytest.approx(fkl, rel=20 * eps) and high == pytest.approx(rkl, rel=20 * eps)
+    assert generalized_jsd(draft, target, mask, 0.0).item() == 0.0
+    assert generalized_jsd(draft, target, mask, 1.0).item() == 0.0
+    # Swapping P and Q swaps beta and 1 - beta.
+    assert generalized_jsd(draft, target, mask, 0.3).item() == pytest.approx(
+        generalized_jsd(target, draft, mask, 0.7).item(), rel=1e-5)
+    with pytest.raises(ValueError, match="beta"):
+        generalized_jsd(draft, target, mask, 1.5)
+
+
+def test_tvd_is_one_minus_the_speculative_acceptance_rate():
+    """sum_x min(p, q) = 1 - TVD (Leviathan et al. 2023): the rate the decoder's verify accepts at."""
+    draft, target = logits_pair(seed=7)
+    p, q = torch.softmax(target, -1), torch.softmax(draft, -1)
+    accept = torch.minimum(p, q).sum(-1).mean()
+    assert total_variation(draft, target, everywhere(draft)).item() == pytest.approx(1 - accept.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(DIVERGENCES))
+def test_divergences_count_only_masked_positions_and_send_no_gradient_elsewhere(name):
+    divergence = DIVERGENCES[name]
+    draft, target = logits_pair(seed=8)
+    draft.requires_grad_()
+    mask = torch.zeros(draft.shape[:-1], dtype=torch.bool)
+    mask[:, 1] = True
+    value = divergence(draft, target, mask)
+    value.backward()
+    assert draft.grad[:, 0].abs().sum() == 0 and draft.grad[:, 1].abs().sum() > 0
+    assert torch.isfinite(draft.grad).all()
+    assert divergence(draft, target, torch.zeros_like(mask)).item() == 0.0  # nothing counted: 0, not NaN
+
+
+def test_divergences_are_finite_with_masked_out_vocabulary_entries():
+    """-inf logits (tokens a vocabulary map excludes) add 0 and give no NaN, value or gradient."""
+    draft, target = logits_pair(seed=9)
+    target[..., :3] = float("-inf")
+    draft = draft.clone().requires_grad_()
+    for name in ("forward_kl", "jsd", "tvd"):
+        value = DIVERGENCES[name](draft, target, everywhere(draft))
+        value.backward()
+        assert torch.isfinite(value) and torch.isfinite(draft.grad).all(), name
+        draft.grad = None

@@ -128,7 +128,12 @@ real = pytest.mark.skipif(REAL is not None, reason=f"SmolLM2 is not installed he
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return FrozenTarget.from_pretrained(resolve_target_path(NAME, "float32"), dtype="float32", taps="eagle3")
+    from specdraft.drafters.eagle3 import EAGLE3, Eagle3Config
+    from specdraft.target import load_target_config
+
+    path = resolve_target_path(NAME, "float32")  # tapped where EAGLE-3 reads it
+    needs = EAGLE3.needs(Eagle3Config(draft_vocab_size=None), load_target_config(path))
+    return FrozenTarget.from_pretrained(path, dtype="float32", needs=needs)
 
 
 @real
@@ -149,7 +154,7 @@ def test_smollm2_greedy_output_matches_generate(smollm2):
 def test_smollm2_eagle3_taps_on_30_layers_with_gqa(smollm2):
     config = smollm2.config
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
-    assert smollm2.taps == [2, 15, 27] and config.tie_word_embeddings
+    assert smollm2.taps == (2, 15, 27) and config.tie_word_embeddings
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 30]])
     out = smollm2(ids)
     with torch.no_grad():

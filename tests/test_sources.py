@@ -7,7 +7,7 @@ from tiny import tiny_llama, tiny_tokenizer
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
 from specdraft.decoding.speculative import speculative_decode
-from specdraft.drafters.base import DraftSource
+from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
 from specdraft.target import FrozenTarget
 
@@ -17,9 +17,9 @@ GREEDY = SamplingParams()
 
 def fake_target_out(length, vocab=VOCAB):
     """Sources under test only read the target's vocabulary size from its outputs."""
-    from specdraft.drafters.base import TargetOutputs
+    from specdraft.contract import TargetOutputs
 
-    return TargetOutputs(logits=torch.zeros(1, length, vocab), last_hidden=torch.zeros(1, length, 8))
+    return TargetOutputs(logits=torch.zeros(1, length, vocab), final_hidden=torch.zeros(1, length, 8))
 
 
 def test_sources_satisfy_the_protocol():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny import seeded_init_, tiny_llama
 
+from specdraft.contract import Proposal, TargetNeeds
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
 from specdraft.decoding.speculative import plain_decode, speculative_decode
@@ -224,6 +225,29 @@ def test_source_returning_too_many_drafts_is_caught(target):
         speculative_decode(target, Greedy(), prompts(2)[1], k=2)
 
 
+class Fixed(PromptLookupSource):
+    """Proposes the same tokens every step, as a chain or as the tree ``parents`` describes."""
+
+    def __init__(self, parents):
+        super().__init__()
+        self.parents = parents
+
+    def propose(self, pending, k, params, generator):
+        return Proposal(torch.ones(1, k, dtype=torch.long), None, self.parents[:, :k])
+
+
+def test_a_proposal_is_a_chain_or_a_tree_and_trees_are_refused_until_tree_verification(target):
+    chain = torch.tensor([[-1, 0, 1]])
+    assert Proposal(torch.ones(1, 3, dtype=torch.long), None).is_chain()
+    assert Proposal(torch.ones(1, 3, dtype=torch.long), None, chain).is_chain()
+    tree = torch.tensor([[-1, 0, 0]])  # two children of the first draft
+    assert not Proposal(torch.ones(1, 3, dtype=torch.long), None, tree).is_chain()
+    expected = plain_decode(target, prompts(2)[1], max_new_tokens=6).tokens
+    assert speculative_decode(target, Fixed(chain), prompts(2)[1], k=3, max_new_tokens=6).tokens == expected
+    with pytest.raises(SpecdraftError, match="returned a tree.*verifies chains only"):
+        speculative_decode(target, Fixed(tree), prompts(2)[1], k=3, max_new_tokens=6)
+
+
 @pytest.mark.parametrize("family", ["eagle1", "eagle3"])
 def test_drafter_families_plug_in(family):
     """Any registered drafter's DraftSource runs through the decoder and stays lossless (greedy)."""
@@ -233,7 +257,7 @@ def test_drafter_families_plug_in(family):
 
     config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)  # fmt: skip
-    target = FrozenTarget.from_config(config, taps=[1, 2, 3], device="cpu")
+    target = FrozenTarget.from_config(config, needs=TargetNeeds(taps=(1, 2, 3)), device="cpu")
     seeded_init_(target.model, seed=0)
     fam = get_family(family)
     source = fam.build(target, fam.config_cls()).draft_source(target)

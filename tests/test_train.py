@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft import checkpoint as ckpt_module
+from specdraft import train as train_module
 from specdraft.checkpoint import checkpoint_dirs, find_drafter_dir
 from specdraft.config import parse_recipe
 from specdraft.errors import SpecdraftError
@@ -246,3 +247,83 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path):
     assert set(result["methods"]["eagle3"]["by_category"]) == {"a", "b"}
     # temperature 0 through the real decoder: every method emits the target's own greedy tokens
     assert result["greedy_identical"] == {"eagle3": 1.0, "prompt-lookup": 1.0}
+
+
+def no_target_load(*args, **kwargs):
+    raise AssertionError("the target's weights were loaded before a cheap check failed")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw, tmp: raw["data"].update(path=str(tmp / "missing.jsonl")), r"data file .*missing.jsonl.* does not exist"),
+    (lambda raw, tmp: raw["data"].update(eval_path=str(tmp / "held_out.jsonl")),
+     r"data file .*held_out.jsonl.* does not exist"),
+    (lambda raw, tmp: raw["eval"].update(enabled=True, prompts=str(tmp / "questions.jsonl")),
+     r"prompt suite .*questions.jsonl does not exist"),
+    (lambda raw, tmp: raw["training"].update(feature_cache=str(tmp / "features")), "no feature cache in"),
+    (lambda raw, tmp: raw["target"].update(taps=[1, 2]), r"target.taps is \[1, 2\].*reads no tapped layers"),
+    (lambda raw, tmp: raw.update(drafter={"family": "eagle3"}, target={**raw["target"], "taps": [0, 1, 9]}),
+     "tap layer 9 is out of range"),
+    (lambda raw, tmp: (tmp / "run" / "old").mkdir(parents=True), "already exists; pass --resume"),
+], ids=["data", "eval-data", "eval-prompts", "feature-cache", "taps-count", "taps-range", "run-folder"])
+def test_cheap_mistakes_are_reported_before_the_target_loads(tmp_path, target_dir, data, monkeypatch, edit, message):
+    monkeypatch.setattr(train_module, "load_target", no_target_load)
+    monkeypatch.setattr(train_module.FrozenTarget, "from_pretrained", no_target_load)
+    raw = make_recipe(tmp_path, target_dir, data)
+    edit(raw, tmp_path)
+    with pytest.raises(SpecdraftError, match=message):
+        train(parse_recipe(raw), show_progress=False)
+
+
+def test_the_acceptance_eval_runs_on_the_main_process_alone_after_the_last_barrier(tmp_path, target_dir, data,
+                                                                                   monkeypatch):
+    """The other processes end while the main one decodes: no barrier (or other collective) waits for it."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    calls = []
+
+    class Accelerator:
+        distributed_type = DistributedType.MULTI_CPU
+
+        def __init__(self, main):
+            self.is_main_process = main
+
+        def wait_for_everyone(self):
+            calls.append("barrier")
+
+        def end_training(self):
+            calls.append("end")
+
+        def unwrap_model(self, module):
+            return module
+
+    monkeypatch.setattr(train_module, "save", lambda run, reason: calls.append("save"))
+    monkeypatch.setattr(train_module, "evaluate", lambda run: calls.append("eval loss") or {})
+    monkeypatch.setattr(train_module, "load_drafter", lambda *args: None)
+    monkeypatch.setattr(train_module, "acceptance_eval", lambda *args: calls.append("acceptance eval"))
+    raw = make_recipe(tmp_path, target_dir, data)
+    raw["eval"] = {"enabled": True, "prompts": str(data)}
+    for main in (True, False):
+        calls.clear()
+        run = SimpleNamespace(accelerator=Accelerator(main), recipe=parse_recipe(raw), run_dir=tmp_path / str(main),
+                              state=train_module.RunState(step=3), evaluated_at=2, trackers=[], target=None,
+                              step_module=SimpleNamespace(save_pretrained=lambda path: None))
+        train_module.finish(run, show_progress=False)
+        expected = ["save", "eval loss", "barrier"] + (["acceptance eval"] if main else []) + ["end"]
+        assert calls == expected, f"main={main}: {calls}"
+
+
+def test_a_family_that_trains_adapters_in_the_target_cannot_read_cached_features(tmp_path, target_dir, data,
+                                                                                 monkeypatch):
+    import dataclasses
+
+    from specdraft.contract import TargetNeeds
+    from specdraft.drafters import FAMILIES
+
+    adapters = TargetNeeds(final_hidden=True, trains_adapters=True)  # as Medusa-2 will declare
+    monkeypatch.setitem(FAMILIES, "probe", dataclasses.replace(FAMILIES["probe"], needs=lambda cfg, config: adapters))
+    monkeypatch.setattr(train_module, "load_target", no_target_load)
+    raw = make_recipe(tmp_path, target_dir, data, training={"feature_cache": str(tmp_path / "features")})
+    with pytest.raises(SpecdraftError, match="trains adapters inside the target.*unset training.feature_cache"):
+        train(parse_recipe(raw), show_progress=False)

@@ -1,6 +1,6 @@
 """Samples to batches: right padding, or packing several samples into one row.
 
-Batch layout (``specdraft.drafters.base``), all ``[B, T]``: ``input_ids``,
+Batch layout (``specdraft.contract``), all ``[B, T]``: ``input_ids``,
 ``attention_mask``, ``loss_mask``, ``position_ids`` and, when packing,
 ``seq_ids``. Packing happens here, in the collate function, not as a dataset
 transform: the dataset stays one sample per row (so shuffling and epochs work

@@ -39,27 +39,34 @@ ROLE_ALIASES = {
 }
 
 
+def check_data_source(path: str) -> None:
+    """What can be said of ``path`` without reading it: a local file exists, has a format we read and
+    holds records. Called before anything heavy loads, and again by ``load_raw``."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        if FILE_BUILDERS.get(local.suffix.lower()) is None:
+            raise SpecdraftError(
+                f"cannot read {path!r}: data files must be {' / '.join(FILE_BUILDERS)}. "
+                "Convert it, or point data.path at a folder or hub dataset."
+            )
+        if _has_no_records(local):  # datasets would fail with a bare StopIteration / a split error
+            raise SpecdraftError(f"data file {path!r} is empty. Point data.path at a file with records.")
+    elif not local.is_dir() and _looks_like_local_path(path):
+        raise SpecdraftError(
+            f"data file {path!r} does not exist. Fix data.path (relative paths start at the working directory)."
+        )
+
+
 def load_raw(path: str, split: str = "train") -> datasets.Dataset:
     """A local .json/.jsonl/.parquet file or folder, or else a datasets hub id."""
     local = Path(path).expanduser()
     try:
+        check_data_source(path)
         if local.is_file():
-            builder = FILE_BUILDERS.get(local.suffix.lower())
-            if builder is None:
-                raise SpecdraftError(
-                    f"cannot read {path!r}: data files must be {' / '.join(FILE_BUILDERS)}. "
-                    "Convert it, or point data.path at a folder or hub dataset."
-                )
-            if _has_no_records(local):  # datasets would fail with a bare StopIteration / a split error
-                raise SpecdraftError(f"data file {path!r} is empty. Point data.path at a file with records.")
-            dataset = datasets.load_dataset(builder, data_files=str(local), split="train")
+            dataset = datasets.load_dataset(FILE_BUILDERS[local.suffix.lower()], data_files=str(local), split="train")
         elif local.is_dir():
             # datasets' folder loader maps file names (train.jsonl, test-*.parquet, ...) to splits.
             dataset = datasets.load_dataset(str(local), split=split)
-        elif _looks_like_local_path(path):
-            raise SpecdraftError(
-                f"data file {path!r} does not exist. Fix data.path (relative paths start at the working directory)."
-            )
         else:
             dataset = datasets.load_dataset(path, split=split)
     except SpecdraftError:

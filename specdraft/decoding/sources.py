@@ -1,6 +1,6 @@
 """Draft sources that need no training in specdraft: an independent draft LM, and prompt lookup.
 
-Both implement ``specdraft.drafters.base.DraftSource`` (start / propose / commit); trained
+Both implement ``specdraft.contract.DraftSource`` (start / propose / commit); trained
 drafters (EAGLE, Medusa, ...) give theirs with ``drafter.draft_source(target)``.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specdraft.contract import Proposal, TargetOutputs
 from specdraft.decoding.sampling import SamplingParams, logits_to_probs, sample
-from specdraft.drafters.base import Proposal, TargetOutputs
 from specdraft.errors import SpecdraftError
 
 

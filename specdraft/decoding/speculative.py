@@ -78,9 +78,11 @@ def speculative_decode(
     ones = torch.ones(1, vocab_size, device=device)  # greedy needs no noise: argmax p / 1 = argmax p
     start = _clock(device)
 
-    # Prefill: the target reads the prompt, the source sees its outputs, the first token is drawn from p.
+    # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
+    # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
+    # token is drawn from p.
     cache = DynamicCache(config=target.config)
-    out = target(prompt_ids, past_key_values=cache, use_cache=True)
+    out = target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
     source.start(prompt_ids, out)
     pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
     tokens, steps, alphas = [pending.item()], [], []
@@ -90,6 +92,11 @@ def speculative_decode(
         t0 = _clock(device)
         k_step = min(k, budget - len(tokens))  # never draft past the budget (or the context)
         proposal = source.propose(pending, k_step, params, generator)
+        if not proposal.is_chain():
+            raise SpecdraftError(
+                f"{type(source).__name__}.propose returned a tree (Proposal.parents); this decoder verifies chains "
+                "only. Propose a chain (parents=None) until tree verification lands."
+            )
         drafts, q = proposal.tokens, proposal.probs  # [1, K'], [1, K', V] or None (one-hot q)
         num_drafts = drafts.shape[1]
         if num_drafts > k_step:
@@ -155,12 +162,12 @@ def plain_decode(
     device = prompt_ids.device
     start = _clock(device)
     cache = DynamicCache(config=target.config)
-    out = target(prompt_ids, past_key_values=cache, use_cache=True)
+    out = target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
     token = _next_token(out.logits[:, -1], params, generator)
     tokens = [token.item()]
     prefill_seconds = _clock(device) - start
     while len(tokens) < budget and tokens[-1] not in stop_ids:
-        out = target(token, past_key_values=cache, use_cache=True)
+        out = target(token, past_key_values=cache, use_cache=True, logits="last")
         token = _next_token(out.logits[:, -1], params, generator)
         tokens.append(token.item())
     return DecodeOutput(tokens, [], prefill_seconds, _clock(device) - start)

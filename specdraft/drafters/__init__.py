@@ -1,4 +1,4 @@
-"""Drafter families. The registry is a plain dict: family name -> ``Family``.
+"""Drafter families. The registry is a plain dict: family name -> ``Family`` (``specdraft.contract``).
 
 A family lives in one module of this package; adding one means writing that
 module and one line here. The training loop, decoder and exporter never
@@ -8,10 +8,11 @@ branch on the family.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+from ..contract import Drafter, Family, TargetNeeds
 from ..errors import SpecdraftError
-from .base import Drafter, DraftSource, Family, LossOutput, Proposal, TargetOutputs
 
 FAMILIES: dict[str, Family] = {}
 
@@ -28,15 +29,32 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
+def declared_needs(family: Family, cfg, target_config, taps: list[int] | str = "auto") -> TargetNeeds:
+    """What a recipe's drafter needs from its target: the family's declaration, with the recipe's
+    ``target.taps`` (a list) in place of the layers the family taps by default, one for one."""
+    needs = family.needs(cfg, target_config)
+    if isinstance(taps, str):  # "auto": the family's own layers
+        return needs
+    if len(taps) != len(needs.taps):
+        reads = f"reads {len(needs.taps)} target layers" if needs.taps else "reads no tapped layers"
+        raise SpecdraftError(
+            f"target.taps is {taps}, but a {family.name} drafter {reads} (by default {list(needs.taps)}); "
+            f"give {len(needs.taps)} layer indices, or target.taps: auto"
+        )
+    return replace(needs, taps=tuple(taps))
+
+
 def load_drafter(path: str | Path, target) -> Drafter:
-    """Load a drafter saved with ``save_pretrained`` (a folder with config.json + model.safetensors)."""
+    """Load a drafter saved with ``save_pretrained`` (a folder with config.json + model.safetensors);
+    the target then computes what it needs (``FrozenTarget.require``)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise SpecdraftError(f"{path} is not a saved drafter (no config.json); point at a run's drafter folder")
     family = json.loads(config_file.read_text()).get("family")
-    return get_family(family).load(path, target)
+    drafter = get_family(family).load(path, target)
+    target.require(drafter.needs)
+    return drafter
 
 
-__all__ = ["FAMILIES", "Drafter", "DraftSource", "Family", "LossOutput", "Proposal", "TargetOutputs",
-           "get_family", "load_drafter"]
+__all__ = ["FAMILIES", "declared_needs", "get_family", "load_drafter"]

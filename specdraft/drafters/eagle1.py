@@ -9,7 +9,7 @@ into a token distribution:
                                                   without its input norm (reference cnets.py)
     p_hat    = softmax(LM_Head(f_hat_{i+1}))
 
-Trained with L = SmoothL1(f_hat, f) + 0.1 * CE(p, p_hat) (``specdraft.losses.eagle1_loss``),
+Trained with L = SmoothL1(f_hat, f) + 0.1 * CE(p, p_hat) (``eagle_losses.eagle1_loss``),
 on input features with uniform noise. Embedding and LM head are the target's: borrowed,
 frozen, never saved. Saved parameter names follow the reference checkpoints: ``fc``,
 ``layers.0.{self_attn,mlp,post_attention_layernorm}``.
@@ -24,10 +24,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
-from ..losses import eagle1_loss
 from ..masks import block_causal_mask
-from .base import Family, LossOutput, TargetOutputs
 from .eagle_common import (
     BorrowsTargetWeights,
     KVCache,
@@ -37,6 +36,8 @@ from .eagle_common import (
     read_drafter_folder,
     shift_left,
 )
+from .eagle_export import EAGLE1_EXPORTERS
+from .eagle_losses import eagle1_loss
 
 
 @dataclass
@@ -73,8 +74,14 @@ def uniform_feature_noise(features: torch.Tensor, lengths: torch.Tensor, cfg: Ea
     return (torch.rand_like(features) - 0.5) * cfg.noise_width * scale[:, None, None]
 
 
+def eagle1_needs(cfg: Eagle1Config, target_config) -> TargetNeeds:
+    """The final hidden state f (its feature), and the full-vocabulary logits (L_cls's p)."""
+    return TargetNeeds(logits="full", final_hidden=True)
+
+
 class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
     family = "eagle1"
+    logit_rows = None  # its classification target is the full vocabulary
 
     def __init__(self, target, cfg: Eagle1Config):
         super().__init__()
@@ -82,6 +89,7 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         hidden = target.hidden_size
         self.config = cfg
         self.target_config = target.config
+        self.needs = eagle1_needs(cfg, target.config)
         self.fc = nn.Linear(2 * hidden, hidden, bias=cfg.fc_bias)
         # The layer must accept our boolean masks and cache: pin the SDPA attention path.
         layer_config = copy.deepcopy(target.config)
@@ -110,7 +118,10 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         return lm_head(predicted_features.to(lm_head.weight.dtype)).float()
 
     def target_features(self, target_out: TargetOutputs) -> torch.Tensor:
-        return target_out.last_hidden
+        if target_out.final_hidden is None:
+            raise SpecdraftError("EAGLE-1 reads the target's final hidden state, and this target does not compute "
+                                 "it: build or load the drafter on the target (it calls target.require(needs))")
+        return target_out.final_hidden
 
     def draft_input(self, features: torch.Tensor) -> torch.Tensor:
         return features.to(self.fc.weight.dtype)
@@ -124,7 +135,7 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
-        features = target_out.last_hidden.to(self.fc.weight.dtype)
+        features = self.target_features(target_out).to(self.fc.weight.dtype)
         noisy = features
         if self.training and self.config.noise == "uniform":
             noisy = features + uniform_feature_noise(features, attention.sum(1), self.config)
@@ -152,8 +163,6 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         return LossOutput(loss, metrics)
 
     # -- what save_pretrained records (BorrowsTargetWeights) -------------------------------------------
-    taps = ()  # EAGLE-1 reads only the last hidden state
-
     @property
     def draft_vocab_size(self) -> int:
         return self.target_lm_head.weight.shape[0]  # it drafts through the target's own LM head
@@ -164,7 +173,9 @@ def build_eagle1(target, cfg: Eagle1Config, draft_vocab=None) -> Eagle1Drafter:
     if draft_vocab is not None:
         raise SpecdraftError("EAGLE-1 drafts over the target's full vocabulary; do not pass a draft vocabulary")
     with torch.device(target.device):
-        return Eagle1Drafter(target, cfg)
+        drafter = Eagle1Drafter(target, cfg)
+    target.require(drafter.needs)
+    return drafter
 
 
 def load_eagle1(path, target) -> Eagle1Drafter:
@@ -175,4 +186,5 @@ def load_eagle1(path, target) -> Eagle1Drafter:
     return drafter
 
 
-EAGLE1 = Family(name="eagle1", config_cls=Eagle1Config, build=build_eagle1, load=load_eagle1, exporters={})
+EAGLE1 = Family(name="eagle1", config_cls=Eagle1Config, needs=eagle1_needs, build=build_eagle1, load=load_eagle1,
+                exporters=EAGLE1_EXPORTERS)

@@ -32,11 +32,12 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from ..chain_metrics import chain_accuracy_metrics
+from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
-from ..losses import restrict_to_draft_vocab, soft_cross_entropy, ttt_accuracy_metrics, ttt_step_weights
+from ..losses import soft_cross_entropy
 from ..masks import block_causal_mask
-from .base import Family, LossOutput, TargetOutputs
 from .eagle_common import (
     BorrowsTargetWeights,
     KVCache,
@@ -49,6 +50,8 @@ from .eagle_common import (
     read_drafter_folder,
     shift_left,
 )
+from .eagle_export import EAGLE3_EXPORTERS
+from .eagle_losses import draft_vocab_probs, label_in_draft_vocab, ttt_step_weights
 
 
 @dataclass
@@ -78,6 +81,19 @@ class Eagle3Config:
     def uses_reduced_vocab(self, target_vocab_size: int) -> bool:
         """Whether a DraftVocab must be built from the data (else the full vocabulary is used)."""
         return self.draft_vocab_size is not None and self.draft_vocab_size < target_vocab_size
+
+
+def eagle3_default_taps(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high features: inputs of layers 2, N//2 and N-3 (EAGLE-3, vLLM's default)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def eagle3_needs(cfg: Eagle3Config, target_config) -> TargetNeeds:
+    """Three tapped layers, and the target's logits at the draft vocabulary's rows only (all rows when
+    the draft vocabulary is the target's)."""
+    reduced = cfg.uses_reduced_vocab(target_config.vocab_size)
+    return TargetNeeds(logits="draft_rows" if reduced else "full",
+                       taps=eagle3_default_taps(target_config.num_hidden_layers))
 
 
 class Eagle3Attention(nn.Module):
@@ -136,10 +152,11 @@ class Eagle3DecoderLayer(nn.Module):
 class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
     family = "eagle3"
 
-    def __init__(self, target, cfg: Eagle3Config, draft_vocab: DraftVocab):
+    def __init__(self, target, cfg: Eagle3Config, draft_vocab: DraftVocab, taps: tuple[int, ...]):
         super().__init__()
         config = target.config
-        self.config, self.target_config, self.taps = cfg, config, list(target.taps)
+        self.config, self.target_config = cfg, config
+        self.needs = TargetNeeds(logits="draft_rows" if draft_vocab.size < target.vocab_size else "full", taps=taps)
         self.fc = nn.Linear(3 * config.hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -162,8 +179,11 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def target_features(self, target_out: TargetOutputs) -> torch.Tensor:
-        if target_out.aux_hidden is None:
-            raise SpecdraftError("EAGLE-3 needs the target's tapped layers; build the target with taps='eagle3'")
+        if target_out.aux_hidden is None or target_out.taps != self.needs.taps:
+            raise SpecdraftError(
+                f"EAGLE-3 reads target layers {list(self.needs.taps)}, and the target tapped "
+                f"{list(target_out.taps)}: build or load the drafter on the target (it calls target.require(needs))"
+            )
         return target_out.aux_hidden
 
     def draft_input(self, features: torch.Tensor) -> torch.Tensor:
@@ -172,6 +192,11 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
     @property
     def draft_to_target(self) -> torch.Tensor:
         return self.draft_ids
+
+    @property
+    def logit_rows(self) -> torch.Tensor | None:
+        """The target rows its training reads: the draft vocabulary's, when it is reduced."""
+        return self.draft_ids if self.needs.logits == "draft_rows" else None
 
     # -- training: the training-time test ---------------------------------------------------------
     def unroll(self, features, ids, positions, mask0) -> list[torch.Tensor]:
@@ -198,8 +223,9 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
 
-        # The target side, once: p over the draft vocabulary, and whether its top-1 is in it.
-        target_probs, in_vocab = restrict_to_draft_vocab(target_out.logits, self.draft_ids, self.t2d)
+        # The target side, once: p over the draft vocabulary, and which next tokens the draft can emit.
+        target_probs = draft_vocab_probs(target_out, self.draft_ids)
+        in_vocab = label_in_draft_vocab(ids, self.t2d)
         mask0 = block_causal_mask(attention, seq_ids)  # step 0 sees what the target saw
         steps = self.unroll(self.target_features(target_out), ids, positions, mask0)
         losses, correct, counted = [], [], []
@@ -209,19 +235,19 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
             rows = max(T - k - 2, 0)
             logits = self.draft_logits(hidden[:, :rows])
             step_target = target_probs[:, k + 1 : k + 1 + rows]
-            weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 1 : k + 1 + rows]
+            weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 2 :]
             weight = weight & attention[:, :rows] & attention[:, k + 2 :]
             if seq_ids is not None:  # packing: the predicted token must be in row i's document
                 weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
             losses.append(soft_cross_entropy(logits, step_target, weight))
-            with torch.no_grad():
+            with torch.no_grad():  # the target's top-1 within the draft vocabulary
                 correct.append(logits.argmax(-1) == step_target.argmax(-1))
                 counted.append(weight)
 
         weights = ttt_step_weights(len(losses), self.config.step_weight_decay)
         loss = sum(w * step_loss for w, step_loss in zip(weights, losses))
         metrics = {f"loss_{k}": step_loss.detach() for k, step_loss in enumerate(losses)}
-        metrics.update(ttt_accuracy_metrics(correct, counted))
+        metrics.update(chain_accuracy_metrics(correct, counted))
         return LossOutput(loss, metrics)
 
     # -- what save_pretrained records (BorrowsTargetWeights) -------------------------------------------
@@ -230,17 +256,21 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         return self.lm_head.out_features
 
 
-def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = None) -> Eagle3Drafter:
+def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = None,
+                 taps: tuple[int, ...] | None = None) -> Eagle3Drafter:
     """A fresh EAGLE-3 drafter for ``target`` (works on the meta device, for sizing).
 
     ``draft_vocab`` comes from ``specdraft.data.vocab.build_draft_vocab`` when
     ``cfg.uses_reduced_vocab(target.vocab_size)``; otherwise leave it None for the full vocabulary.
+    It reads ``taps``, else the layers the target already taps (the recipe's ``target.taps``), else
+    layers 2, N//2 and N-3.
     """
     check_target_architecture(target)
-    if len(target.taps) != 3:
+    taps = taps or target.taps or eagle3_default_taps(target.num_layers)
+    if len(taps) != 3:
         raise SpecdraftError(
-            f"EAGLE-3 fuses exactly 3 target layers (low, middle, high); the target taps {target.taps}. "
-            "Set target.taps to 'eagle3' (the default) or to three layer indices."
+            f"EAGLE-3 fuses exactly 3 target layers (low, middle, high); the target taps {list(taps)}. "
+            "Set target.taps to auto (layers 2, N//2, N-3) or to three layer indices."
         )
     vocab_size = target.vocab_size
     if draft_vocab is None:
@@ -252,8 +282,9 @@ def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = Non
             "(specdraft.data.vocab.build_draft_vocab with its vocab size)."
         )
     with torch.device(target.device):
-        drafter = Eagle3Drafter(target, cfg, draft_vocab)
+        drafter = Eagle3Drafter(target, cfg, draft_vocab, tuple(taps))
     drafter = drafter.to(target.device)  # the vocabulary buffers were made on the CPU
+    target.require(drafter.needs)
     if target.device.type != "meta":
         # Start the draft head at the target's head rows for the draft vocabulary (trainable),
         # as vLLM's speculators does: step 1 then begins near the target's own next-token map
@@ -280,11 +311,12 @@ def load_eagle3(path, target) -> Eagle3Drafter:
     saved, tensors = read_drafter_folder(path, "eagle3")
     check_same_target(saved, target, path)
     vocab = DraftVocab(d2t=tensors["d2t"].long(), t2d=tensors["t2d"].bool())
-    drafter = build_eagle3(target, Eagle3Config(**saved["config"]), vocab)
+    drafter = build_eagle3(target, Eagle3Config(**saved["config"]), vocab, tuple(saved["target_taps"]))
     drafter.load_state_dict(tensors)
     return drafter
 
 
 EAGLE3 = Family(
-    name="eagle3", config_cls=Eagle3Config, build=build_eagle3, load=load_eagle3, exporters={}, needs_draft_vocab=True,
+    name="eagle3", config_cls=Eagle3Config, needs=eagle3_needs, build=build_eagle3, load=load_eagle3,
+    exporters=EAGLE3_EXPORTERS, needs_draft_vocab=True,
 )

@@ -3,15 +3,11 @@
 * ``KVCache``: the draft layer's keys/values. At decode time it is the draft's KV cache;
   in EAGLE-3's training-time test it is the "extended KV" each unrolled step appends to.
 * ``attend``: softmax attention with an explicit boolean mask, the one place both use.
-* the target-architecture check, the borrowed (frozen, unsaved) target weights,
-  save/load of a drafter folder, and ``EagleDraftSource`` for the speculative decoder.
+* the target-architecture check, the borrowed (frozen, unsaved) target weights, the parts of
+  the ``Drafter`` contract both fill in the same way, save/load of a drafter folder, and
+  ``EagleDraftSource`` for the speculative decoder.
 
-A drafter plugs into ``EagleDraftSource`` with five members:
-  target_features(target_out) -> [B, n, F]   what the target hands over per position
-  draft_input(features)       -> [B, n, H]   the hidden the draft layer reads (EAGLE-3: fc)
-  draft_step(hidden, tokens, positions, cache, mask=None) -> [B, m, H] next hiddens
-  draft_logits(hidden)        -> [..., N]    logits over the draft vocabulary
-  draft_to_target             [N] long or None (identity)
+An EAGLE drafter plugs into ``EagleDraftSource`` through ``EagleNetwork``.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +23,28 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..atomic import atomic_folder
+from ..contract import Example, Proposal, TargetOutputs, TrainingContext, target_example
 from ..errors import SpecdraftError
-from .base import Proposal, TargetOutputs
+
+
+class EagleNetwork(Protocol):
+    """The draft network of an EAGLE family, as ``EagleDraftSource`` drives it."""
+
+    draft_to_target: torch.Tensor | None  # [N] long: the target id of each draft id; None = the identity
+
+    def target_features(self, target_out: TargetOutputs) -> torch.Tensor:
+        """[B, n, F]: what the target hands over per position (EAGLE-1: final hidden; EAGLE-3: taps)."""
+
+    def draft_input(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, n, H]: the hidden the draft layer reads (EAGLE-3: fc of the taps)."""
+
+    def draft_step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, m, H] next hiddens from m hiddens and the m tokens that follow them."""
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., N] float32 logits over the draft vocabulary."""
+
 
 # Decoder layers whose config, rotary embedding and RMSNorm conventions the EAGLE drafters follow.
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -147,12 +164,16 @@ class BorrowsTargetWeights:
     def rotary_emb(self) -> nn.Module:
         return self._borrowed[2]
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
+    # -- the Drafter contract, the same for both EAGLE families ------------------------------------
+    # Each provides ``family``, ``needs``, ``config``, ``target_config``, ``draft_vocab_size`` and
+    # ``logit_rows`` (the draft vocabulary's target ids when it trains on those rows only).
+    def trained_module(self) -> nn.Module:
+        return self  # its own weights; the target's embedding and head are borrowed, not trained
 
-    # Both EAGLE families decode through the same source and save the same self-describing folder;
-    # each provides ``family``, ``config``, ``target_config``, ``taps`` and ``draft_vocab_size``.
-    def draft_source(self, target) -> "EagleDraftSource":
+    def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
+        return target_example(batch, context, self.needs, self.logit_rows)
+
+    def draft_source(self, target) -> EagleDraftSource:
         return EagleDraftSource(self)
 
     def save_pretrained(self, path) -> None:
@@ -160,7 +181,7 @@ class BorrowsTargetWeights:
             "family": self.family,
             "config": asdict(self.config),
             "draft_vocab_size": self.draft_vocab_size,
-            "target_taps": list(self.taps),
+            "target_taps": list(self.needs.taps),
             "target_config": target_config_dict(self.target_config),
         }
         write_drafter_folder(path, config, self.state_dict())
@@ -199,7 +220,8 @@ def read_drafter_folder(path: str | Path, family: str) -> tuple[dict, dict[str, 
 
 
 def check_same_target(saved: dict, target, path) -> None:
-    """A drafter only works with the target (dimensions, vocabulary, taps) it was trained on."""
+    """A drafter only works with the target (dimensions, vocabulary) it was trained on; the layers it
+    reads are added to the target by ``FrozenTarget.require``, which refuses other taps."""
     want = saved["target_config"]
     for key, have in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
         if want.get(key) is not None and want[key] != have:
@@ -207,11 +229,6 @@ def check_same_target(saved: dict, target, path) -> None:
                 f"the drafter in {path} was trained for a target with {key}={want[key]}, but this target has "
                 f"{have}; load the target the drafter was trained on ({want.get('_name_or_path') or 'see config.json'})"
             )
-    if saved.get("target_taps") and list(saved["target_taps"]) != list(target.taps):
-        raise SpecdraftError(
-            f"the drafter in {path} reads target layers {saved['target_taps']}, but the target taps "
-            f"{target.taps}; build the target with taps={saved['target_taps']}"
-        )
 
 
 # -- decoding -------------------------------------------------------------------------------------

@@ -39,8 +39,9 @@ def one_token_and_verify_logits(target, context: list[int], drafts: list[int]) -
     alone, on the cache of the rest) and as a verify forward does (that token followed by ``drafts``)."""
     device = target.device
     cache = DynamicCache(config=target.config)
-    target(torch.tensor([context[:-1]], device=device), past_key_values=cache, use_cache=True)
-    one = target(torch.tensor([context[-1:]], device=device), past_key_values=cache, use_cache=True).logits[0, -1]
+    target(torch.tensor([context[:-1]], device=device), past_key_values=cache, use_cache=True, logits="none")
+    one = target(torch.tensor([context[-1:]], device=device), past_key_values=cache, use_cache=True,
+                 logits="last").logits[0, -1]
     cache.crop(-1)
     chunk = torch.tensor([context[-1:] + drafts], device=device)
     verify = target(chunk, past_key_values=cache, use_cache=True).logits[0, 0]

@@ -9,7 +9,6 @@ are the CLI.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +18,7 @@ from tqdm.auto import tqdm
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
 from specdraft.decoding.speculative import DecodeOutput, plain_decode, speculative_decode
-from specdraft.drafters.base import DraftSource
+from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
@@ -255,15 +254,20 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")
+    for path in args.drafter:  # a wrong folder fails before the target loads
+        if not (Path(path) / "config.json").is_file():
+            raise SpecdraftError(
+                f"--drafter {path} is not a saved drafter (no config.json); point at a run's drafter folder."
+            )
     target = FrozenTarget.from_pretrained(
-        resolve_target_path(args.target, args.dtype), dtype=args.dtype, taps=_drafter_taps(args.drafter),
+        resolve_target_path(args.target, args.dtype), dtype=args.dtype,
         trust_remote_code=args.trust_remote_code, device=device,
     )  # fmt: skip
 
     sources: dict[str, Callable[[], DraftSource]] = {}
     for path in args.drafter:
-        name = _unique_name(sources, Path(path).name)
-        sources[name] = lambda path=path: load_drafter(path, target).draft_source(target)  # loaded when evaluated
+        # Each loaded drafter declares what it reads, and the target computes that from then on.
+        sources[_unique_name(sources, Path(path).name)] = load_drafter(path, target).draft_source(target)
     for path in args.draft_model:
         draft_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype),
@@ -297,24 +301,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwrote {', '.join(result['files'].values())}")
     return 0
-
-
-def _drafter_taps(drafter_dirs: list[str]) -> list[int] | None:
-    """The target layers the drafters read (all must agree: the target is built once)."""
-    taps = set()
-    for path in drafter_dirs:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise SpecdraftError(
-                f"--drafter {path} is not a saved drafter (no config.json); point at a run's drafter folder."
-            )
-        taps.add(tuple(json.loads(config_file.read_text()).get("target_taps") or ()))
-    taps.discard(())
-    if len(taps) > 1:
-        raise SpecdraftError(
-            f"the drafters read different target layers {sorted(taps)}; evaluate them in separate runs."
-        )
-    return list(taps.pop()) if taps else None
 
 
 def _unique_name(existing: dict, name: str) -> str:

@@ -1,0 +1,268 @@
+"""The contract between the target, the training loop, the decoder, the exporters and the drafter families.
+
+Nothing here knows a family. The loop (``specdraft.train``), the decoder (``specdraft.decoding``)
+and the export driver (``specdraft.export``) talk to a drafter only through these types; a family
+is one module of ``specdraft/drafters/`` that fills them in, and one line in its registry.
+
+    Family.needs(cfg, target_config)        -> TargetNeeds   what to compute, before any weight loads
+    Family.build(target, cfg, draft_vocab)  -> Drafter       (Family.load(path, target) for a saved one)
+    drafter.prepare(batch, context)         -> Example       its own training example (target forward,
+                                                             cache read, or sequences it generates first)
+    drafter.compute_loss(batch, target_out) -> LossOutput
+    drafter.trained_module()                -> nn.Module     what is optimised, wrapped, checkpointed, resumed
+    drafter.draft_source(target)            -> DraftSource   start / propose / commit, for the decoder
+    drafter.save_pretrained(path)                            config.json + model.safetensors
+    Family.exporters[format]                -> Exporter      write / read_back / serve hint
+
+Batch layout (made by ``specdraft.data``), all ``[B, T]``:
+  input_ids       token ids
+  attention_mask  1 for real tokens, 0 for padding
+  loss_mask       1 where the token is an assistant token we want predicted
+                  (position t's target is token t+1, so a loss uses loss_mask[:, 1:])
+  position_ids    positions, restarted at 0 for each document when packing
+  seq_ids         (packing only) which document of the row each token belongs to;
+                  ``specdraft.masks.block_causal_mask`` turns it into the block-causal mask
+                  both the target and the drafter use
+  sample_index    (offline features only) each row's index in its split, for the feature cache
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .errors import SpecdraftError
+
+# Which logits a family's training reads from the target:
+#   none        no logits (the family predicts from features and the data's tokens)
+#   full        [B, T, V] over the whole vocabulary at every position
+#   draft_rows  [B, T, N] only the rows of the drafter's draft vocabulary (ids the drafter gives):
+#               hidden @ lm_head.weight[ids].T, never the V-wide logits
+#   last        [B, 1, V] the last position only (decode prefill)
+LOGITS = ("none", "full", "draft_rows", "last")
+
+
+@dataclass(frozen=True)
+class TargetNeeds:
+    """What a drafter family needs from the target. The loop builds the target and the feature
+    cache from it, and the target computes nothing else (``FrozenTarget.require``)."""
+
+    logits: str = "none"  # one of LOGITS: what the family's training loss reads
+    final_hidden: bool = False  # the final *normed* hidden state, the LM-head input, at every position
+    taps: tuple[int, ...] = ()  # layers whose *input* is tapped (vLLM's convention), in this order
+    trains_adapters: bool = False  # the family trains adapters inside the target (Medusa-2's LoRA):
+    # the target's forward then keeps autograd, and the adapters are part of ``trained_module()``
+
+    def __post_init__(self):
+        if self.logits not in LOGITS:
+            raise SpecdraftError(f"TargetNeeds.logits must be one of {', '.join(LOGITS)}, got {self.logits!r}")
+        object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+
+
+@dataclass
+class TargetOutputs:
+    """What one target forward yields, aligned with the batch positions. Every field is optional:
+    the target fills what it was asked for (``TargetNeeds``, and the ``logits`` of the call).
+
+    ``logits[:, t]`` is the target's distribution over token t+1, over the vocabulary rows
+    ``vocab_rows`` (None: all of them), at every position, or only the last (``last_only``).
+    """
+
+    logits: torch.Tensor | None = None  # float32 [B, T, V]; [B, T, N] for draft rows; [B, 1, V] last only
+    vocab_rows: torch.Tensor | None = None  # [N] long: the target id of each logit column; None = all V
+    last_only: bool = False  # logits hold the last position only (features still cover every position)
+    final_hidden: torch.Tensor | None = None  # [B, T, H] final normed hidden state: the LM-head input
+    aux_hidden: torch.Tensor | None = None  # [B, T, len(taps) * H] tapped layer inputs, concatenated in order
+    taps: tuple[int, ...] = ()  # the layers ``aux_hidden`` holds
+
+    def slice(self, positions: slice) -> TargetOutputs:
+        """The same outputs restricted to a range of positions (dim 1)."""
+        if self.last_only:
+            raise SpecdraftError("last-position logits cannot be sliced by position; ask the target for logits='full'")
+
+        def cut(x):
+            return None if x is None else x[:, positions]
+
+        return TargetOutputs(cut(self.logits), self.vocab_rows, False, cut(self.final_hidden), cut(self.aux_hidden),
+                             self.taps)
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens, in *target* vocabulary ids, with the draft distribution q of each.
+
+    A proposal is a tree of K nodes: node k's parent is ``parents[:, k]``, -1 meaning the pending
+    token (the root). ``parents=None`` is the chain, node k's parent being node k-1: every
+    decoder in specdraft verifies chains, and refuses a real tree until tree verification lands.
+
+    ``probs[:, k]`` is the (warped) draft distribution that ``tokens[:, k]`` was drawn from,
+    over the target vocabulary. ``None`` means the drafts are deterministic (q is one-hot on the
+    token), as for prompt lookup.
+    """
+
+    tokens: torch.Tensor  # [B, K] long
+    probs: torch.Tensor | None  # [B, K, V_target] float, or None
+    parents: torch.Tensor | None = None  # [B, K] long, parents[:, k] < k; None = a chain
+
+    def is_chain(self) -> bool:
+        """Whether the tree is a chain (a host sync, only when ``parents`` is given)."""
+        if self.parents is None:
+            return True
+        K = self.tokens.shape[1]
+        chain = torch.arange(-1, K - 1, device=self.parents.device).expand_as(self.parents)
+        return bool(torch.equal(self.parents, chain))
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """What the speculative decoder talks to.
+
+    One decoding step, for a sequence s_0..s_{L-1} whose next token s_L is
+    already chosen but not yet run through the target ("pending"):
+
+      proposal = source.propose(pending, k, params, generator)
+      target runs [pending, d_1..d_k] in one forward, verify keeps n drafts
+      source.commit(kept=[pending, d_1..d_n], target_out for those n+1 positions)
+
+    so a source always knows the target's outputs for every committed token,
+    and never for the pending one (that is what EAGLE needs: feature f_i and
+    token s_{i+1} predict s_{i+2}). The target's outputs carry the features its
+    drafters declared (``TargetNeeds``) at every position; prefill's logits cover the
+    last position only.
+    """
+
+    def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:
+        """Reset state for a new sequence; ``target_out`` covers every prompt position."""
+
+    def propose(
+        self,
+        pending: torch.Tensor,  # [B, 1] the chosen-but-unverified token
+        k: int,
+        params: Any,  # specdraft.decoding.sampling.SamplingParams
+        generator: torch.Generator | None,
+    ) -> Proposal: ...
+
+    def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
+        """``kept_ids`` [B, n+1] = pending + accepted drafts; ``target_out`` covers exactly those positions."""
+
+
+@dataclass
+class TrainingContext:
+    """What ``Drafter.prepare`` may use besides the batch."""
+
+    target: Any  # the FrozenTarget (loaded in offline mode too: drafters borrow its weights)
+    cache: Any = None  # specdraft.features.FeatureCache of this split, or None: run the target
+    step: int = 0  # optimizer steps done so far: a family with stages switches on it
+    training: bool = True  # False for the held-out batches of the periodic eval
+
+
+@dataclass
+class Example:
+    """One training example, as ``Drafter.prepare`` makes it from a data batch."""
+
+    batch: dict[str, torch.Tensor]  # the tokens the loss reads: the data's, or sequences generated from it
+    target: TargetOutputs  # the target's outputs on ``batch``
+
+
+def target_example(batch: dict[str, torch.Tensor], context: TrainingContext, needs: TargetNeeds,
+                   rows: torch.Tensor | None = None) -> Example:
+    """The default ``prepare``: the target's outputs on the batch, from one forward or from the
+    feature cache. ``rows``: the draft vocabulary's target ids, when ``needs.logits`` is "draft_rows"."""
+    if context.cache is not None:
+        return Example(batch, context.cache.lookup(batch, needs.logits, rows))
+    return Example(batch, context.target.forward_batch(batch, needs.logits, rows))
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    metrics: dict[str, torch.Tensor]  # scalars for logging (acc_0, loss_0, ...); detached
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A trainable drafter: an ``nn.Module`` defined in one module of ``specdraft/drafters/``.
+
+    The loop calls ``train()``/``eval()`` on it as on any module.
+    """
+
+    family: str
+    needs: TargetNeeds  # what it reads from the target; building it made the target compute that
+
+    def trained_module(self) -> nn.Module:
+        """The module the loop optimises (its parameters with requires_grad), wraps (DDP, DeepSpeed),
+        checkpoints and resumes: the drafter's own weights, plus adapters inside the target where
+        the family trains them. ``save_pretrained`` writes its state_dict as model.safetensors, and a
+        resume loads that file back into it."""
+
+    def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
+        """This drafter's training example from a data batch: usually ``target_example``; a family
+        may generate sequences first (with the target, or itself) and score them with the target."""
+
+    def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
+        """Loss and metrics for one example (``Example.batch``, ``Example.target``)."""
+
+    def draft_source(self, target: Any) -> DraftSource:
+        """A decoding-time view of this drafter bound to a live target."""
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """config.json (family, hyper-parameters, target dims) + model.safetensors (``trained_module()``'s
+        state_dict: what a resume restores and an exporter reads)."""
+
+
+@dataclass
+class ExportOptions:
+    # The target: a folder or hub id an engine can open. Named in engine configs, and the
+    # checkpoint a shipped embedding is read from.
+    verifier: str | None = None
+    num_speculative_tokens: int = 3  # the proposal length written where a format records one
+
+
+@dataclass(frozen=True)
+class Exporter:
+    """One export format of one family. ``specdraft export`` reads the saved drafter folder
+    (config.json as ``saved``, model.safetensors as ``tensors``), calls ``write`` and writes its
+    result; ``load_exported`` calls ``read_back`` on an export to check it and load it again."""
+
+    # (saved, tensors, ExportOptions) -> (the format's config.json, its tensors)
+    write: Callable[[dict, dict, ExportOptions], tuple[dict, dict]]
+    # (saved, the export's tensors) -> the drafter's own tensors (write's inverse, without the embedding)
+    read_back: Callable[[dict, dict], dict]
+    # How to serve an export, printed by `specdraft export`: "{out}" is the export folder, TARGET the target.
+    serve_hint: str | None = None
+    # Ship the target's token embedding under this tensor name: the driver reads it from the target's
+    # checkpoint (in the export dtype) into ``tensors`` before ``write``.
+    target_embedding: str | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One drafter family, as registered in ``specdraft.drafters.FAMILIES`` (a plain dict).
+
+    ``config_cls`` is a dataclass of the family's hyper-parameters; its defaults are the paper's
+    (and its ``optimizer_defaults`` ClassVar fills the recipe's optimizer and clipping). The recipe's
+    ``drafter:`` section (minus ``family``) is parsed into it.
+    """
+
+    name: str
+    config_cls: type
+    # (cfg, target's transformers config) -> TargetNeeds. Runs before any weight loads: also the place
+    # to check the config against the target's dimensions (context length, layer count).
+    needs: Callable[[Any, Any], TargetNeeds]
+    # (target: FrozenTarget, cfg, draft_vocab: DraftVocab | None) -> Drafter. Calls target.require(
+    # drafter.needs). Works on the meta device too (target built with FrozenTarget.from_config on "meta").
+    build: Callable[..., Drafter]
+    # (path, target) -> Drafter, from a save_pretrained folder (re-binds the target's frozen weights)
+    load: Callable[..., Drafter]
+    # export format -> Exporter. "hf" (specdraft's own folder, a copy) exists for every family unless
+    # the family gives its own.
+    exporters: dict[str, Exporter] = field(default_factory=dict)
+    needs_draft_vocab: bool = False  # the loop builds d2t/t2d of cfg.draft_vocab_size from the training data
+    # (optimizer, recipe, total_steps) -> LR scheduler, for a family whose training has phases (a
+    # re-warmup at a stage switch); None: the recipe's warmup and decay (specdraft.train.make_scheduler).
+    lr_schedule: Callable[..., Any] | None = None
