@@ -202,7 +202,13 @@ class Drafter(Protocol):
 
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         """This drafter's training example from a data batch: usually ``target_example``; a family
-        may generate sequences first (with the target, or itself) and score them with the target."""
+        may generate sequences first (with the target, or itself) and score them with the target.
+
+        It runs inside the forward of the module the loop wraps, once per micro-batch (and on the
+        held-out batches, with ``context.training`` False). To generate with the target, KV-cached:
+        ``context.target(ids, past_key_values=DynamicCache(config=target.config), use_cache=True,
+        logits="last")`` gives the last position's logits and the declared features at every
+        position; sampling with torch's global RNG keeps a resumed run exact (checkpoints restore it)."""
 
     def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
         """Loss and metrics for one example (``Example.batch``, ``Example.target``)."""

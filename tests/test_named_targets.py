@@ -209,10 +209,22 @@ def test_smollm2_in_float32_is_greedy_identical_under_speculation(smollm2):
 def test_smollm2_quickstart_runs_end_to_end(tmp_path, capsys):
     """`specdraft quickstart --target smollm2-135m-instruct` at a tiny budget: answers, training on the bf16
     recipe, the acceptance eval, the three exports and the closing explanation."""
+    from accelerate.state import AcceleratorState, GradientState
+
     from specdraft.quickstart import quickstart
 
-    report = quickstart(tmp_path, train_prompts=4, steps=2, eval_prompts=1, overwrite=False, heldout_answers=2,
-                        target=NAME)
+    def reset_accelerate_state():
+        """accelerate keeps one state per process, and its mixed precision cannot change once set: this bf16
+        run must not meet an earlier test's fp32 state (pytest -n runs many tests in one process)."""
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    reset_accelerate_state()
+    try:
+        report = quickstart(tmp_path, train_prompts=4, steps=2, eval_prompts=1, overwrite=False, heldout_answers=2,
+                            target=NAME)
+    finally:
+        reset_accelerate_state()  # and the next test's fp32 runs must not meet this one's bf16
     result = json.loads((report / "temperature-0" / "result.json").read_text())
     assert result["methods"]["eagle3"]["overall"]["num_decodes"] >= 1
     for fmt in ("sglang", "vllm", "hf"):
