@@ -27,7 +27,7 @@ def test_shipped_recipes_exist():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_parses(path):
     recipe = load_recipe(path)
-    assert recipe.drafter_family in ("eagle1", "eagle3")
+    assert recipe.drafter_family == yaml.safe_load(path.read_text())["drafter"]["family"]
     assert recipe.checkpoint.output_dir
     # Round trip: the resolved recipe written into a run folder parses back to the same thing.
     assert parse_recipe(yaml.safe_load(yaml.safe_dump(recipe.to_dict()))).to_dict() == recipe.to_dict()
@@ -143,10 +143,11 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
         N = recipe.drafter.draft_vocab_size
         # fc 3H->H; attention on the 2H [embedding; hidden] input; MLP; 4 norms; own LM head over N
         expected = 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 4 * H + N * H
-    else:
+    elif recipe.drafter_family == "eagle1":
         # fc 2H->H with bias; one target-architecture decoder layer (EAGLE-1 drops its input norm)
         expected = 2 * H * H + H * recipe.drafter.fc_bias + H * (q + 2 * kv) + q * H + 3 * H * I + H
-    if recipe.target.path != "toy":  # the toy's arch flags are checked in the drafter's own tests
+    # The toy's arch flags, and other families' counts, are checked in the drafters' own tests.
+    if recipe.target.path != "toy" and recipe.drafter_family in ("eagle1", "eagle3"):
         assert trainable == expected, (trainable, expected)
     assert all(p.device.type == "meta" for p in drafter.trained_module().parameters())
 
