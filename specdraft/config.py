@@ -101,6 +101,10 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     max_new_tokens: int = 64
     prompt_lookup_baseline: bool = True
+    # The target's dtype in this eval. auto: float32 on CPU, where bf16 is no faster to decode and its
+    # rounding flips greedy near-ties between a (K+1)-token verify forward and a 1-token one (see
+    # specdraft/evaluation/mismatch.py); on GPU, the dtype training used. As `specdraft eval --dtype`.
+    dtype: str = "auto"
 
 
 @dataclass
@@ -257,6 +261,7 @@ def _check_values(r: Recipe) -> None:
         "training.mixed_precision": (t.mixed_precision, ("no", "bf16", "fp16")),
         "optimizer.schedule": (r.optimizer.schedule, ("cosine", "linear", "constant")),
         "target.dtype": (r.target.dtype, ("bfloat16", "float16", "float32")),
+        "eval.dtype": (r.eval.dtype, ("auto", "bfloat16", "float16", "float32")),
         "data.format": (r.data.format, ("auto", "sharegpt", "messages", "turns", "text")),
     }
     for key, (value, allowed) in choices.items():

@@ -11,6 +11,7 @@ what the target computes, and the drafter names the module that trains (``traine
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -34,7 +35,13 @@ from .contract import Drafter, TargetNeeds, TrainingContext
 from .drafters import declared_needs, get_family, load_drafter
 from .errors import SpecdraftError
 from .named_targets import cache_home
-from .target import FrozenTarget, check_taps, load_target_config, resolve_target_path
+from .target import (
+    FrozenTarget,
+    check_taps,
+    load_target_config,
+    resolve_dtype,
+    resolve_target_path,
+)
 from .train_parts import (
     RunState,
     StopRequested,
@@ -401,9 +408,22 @@ def finish(run: Run, show_progress: bool) -> None:
         # The saved drafter, reloaded: what is evaluated is exactly what was written (and under
         # ZeRO-3 the live parameters are partitioned across processes).
         wandb_run = accelerator.get_tracker("wandb", unwrap=True) if "wandb" in run.trackers else None
-        acceptance_eval(recipe, run.target, load_drafter(run.run_dir / "drafter", run.target), run.run_dir / "eval",
+        target = eval_target(recipe, run.target)
+        acceptance_eval(recipe, target, load_drafter(run.run_dir / "drafter", target), run.run_dir / "eval",
                         wandb_run, show_progress)
     accelerator.end_training()
+
+
+def eval_target(recipe: Recipe, target: FrozenTarget) -> FrozenTarget:
+    """The target in ``eval.dtype``: the training one when the dtypes agree, else loaded again."""
+    wanted = recipe.eval.dtype
+    if wanted == "auto":
+        wanted = "float32" if target.device.type == "cpu" else recipe.target.dtype
+    if resolve_dtype(wanted) == target.lm_head.weight.dtype:
+        return target
+    print(f"acceptance eval: loading the target in {wanted} (eval.dtype; it trained in {recipe.target.dtype})")
+    return load_target(dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, dtype=wanted)),
+                       target.device, TargetNeeds())
 
 
 def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path, wandb_run=None,

@@ -249,6 +249,29 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path):
     assert result["greedy_identical"] == {"eagle3": 1.0, "prompt-lookup": 1.0}
 
 
+@pytest.mark.parametrize("eval_dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_the_acceptance_eval_runs_the_target_in_eval_dtype(tmp_path, monkeypatch, eval_dtype, expected):
+    """A bf16-trained drafter is evaluated on a float32 target on CPU by default (bf16 rounding flips greedy
+    near-ties between verify and plain forwards), or in the dtype eval.dtype names."""
+    import specdraft.train as train_module
+
+    target = save_tiny_target(tmp_path / "target", num_hidden_layers=8)
+    data = make_chat_data(tmp_path / "chat.jsonl", n=16)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 0, "category": "a", "turns": ["Tell me a story."]}) + "\n")
+    raw = make_recipe(tmp_path, target, data, training={"max_steps": 1})
+    raw["target"].update(dtype="bfloat16", taps="auto")
+    raw["drafter"] = {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 64}
+    raw["eval"] = {"enabled": True, "prompts": str(questions), "num_prompts": 1, "k": 2, "temperatures": [0.0],
+                   "max_new_tokens": 4, "dtype": eval_dtype}
+    seen = []
+    real_eval = train_module.acceptance_eval
+    monkeypatch.setattr(train_module, "acceptance_eval", lambda recipe, target, drafter, *args: (
+        seen.append(target.lm_head.weight.dtype), real_eval(recipe, target, drafter, *args))[1])
+    train(parse_recipe(raw), show_progress=False)
+    assert seen == [expected]
+
+
 def no_target_load(*args, **kwargs):
     raise AssertionError("the target's weights were loaded before a cheap check failed")
 
