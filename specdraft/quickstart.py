@@ -36,14 +36,15 @@ class QuickstartTarget:
     recipe: str
     answer_tokens: int  # the target's answers are cut here
     answer_batch: int  # regenerate's batch size
-    train_prompts: int  # defaults: the budget the README's timings were measured at
+    train_prompts: int  # defaults: the toy's budget, also for SmolLM2 (whose recipe trains longer)
     eval_prompts: int
+    steps: int | None  # None: the recipe's
     one_thread: bool  # a tiny model decodes fastest on one thread (OpenMP threads spin on a busy core)
 
 
 QUICKSTART_TARGETS = {
-    "toy": QuickstartTarget("toy_eagle3.yaml", 128, 64, 1200, 24, one_thread=True),
-    "smollm2-135m-instruct": QuickstartTarget("smollm2-135m-eagle3.yaml", 256, 16, 320, 16, one_thread=False),
+    "toy": QuickstartTarget("toy_eagle3.yaml", 128, 64, 1200, 24, None, one_thread=True),
+    "smollm2-135m-instruct": QuickstartTarget("smollm2-135m-eagle3.yaml", 256, 16, 320, 16, 300, one_thread=False),
 }
 
 
@@ -82,6 +83,7 @@ def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_pro
                              f"target, write a recipe and run `specdraft train` (see recipes/)")
     setup = QUICKSTART_TARGETS[target]
     train_prompts, eval_prompts = train_prompts or setup.train_prompts, eval_prompts or setup.eval_prompts
+    steps = steps or setup.steps
     recipe_file = RECIPES_DIR / setup.recipe
     if not recipe_file.is_file():
         raise SpecdraftError(f"{recipe_file} not found: run the quickstart from a clone of the specdraft repository")
@@ -175,7 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-prompts", type=int, default=None,
                         help="prompts the target answers for training (default: " + ", ".join(
                             f"{name} {t.train_prompts}" for name, t in QUICKSTART_TARGETS.items()) + ")")
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps (default: the toy recipe's 300; 300 on SmolLM2 too)")
     parser.add_argument("--eval-prompts", type=int, default=None,
                         help="held-out prompts for the acceptance eval (default: " + ", ".join(
                             f"{name} {t.eval_prompts}" for name, t in QUICKSTART_TARGETS.items()) + ")")
