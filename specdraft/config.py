@@ -174,6 +174,11 @@ def parse_dataclass(cls: type, data: Any, path: str) -> Any:
             value = parse_dataclass(tp, value, dotted)
         elif not _type_ok(value, tp) and _type_ok(1.0, tp) and _as_float(value) is not None:
             value = _as_float(value)  # 3 -> 3.0, and PyYAML reads "3e-4" (no dot) as a string
+        elif isinstance(value, bool) and not _type_ok(value, tp) and _type_ok("", tp):
+            # YAML 1.1 reads no/yes/on/off as booleans: `mixed_precision: no` arrives as False.
+            raise SpecdraftError(f"'{dotted}' must be {_type_name(tp)}, got {value!r}: YAML reads no, yes, on and "
+                                 f"off as booleans, so quote the word ({dotted}: \"no\", or {dotted}='no' on the "
+                                 "command line)")
         elif not _type_ok(value, tp):
             raise SpecdraftError(f"'{dotted}' must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
         kwargs[name] = value

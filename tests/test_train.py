@@ -324,6 +324,7 @@ def test_the_acceptance_eval_runs_on_the_main_process_alone_after_the_last_barri
     monkeypatch.setattr(train_module, "save", lambda run, reason: calls.append("save"))
     monkeypatch.setattr(train_module, "evaluate", lambda run: calls.append("eval loss") or {})
     monkeypatch.setattr(train_module, "load_drafter", lambda *args: None)
+    monkeypatch.setattr(train_module, "eval_target", lambda recipe, target: target)
     monkeypatch.setattr(train_module, "acceptance_eval", lambda *args: calls.append("acceptance eval"))
     raw = make_recipe(tmp_path, target_dir, data)
     raw["eval"] = {"enabled": True, "prompts": str(data)}
