@@ -58,7 +58,7 @@ def prompts_from_file(path: Path, train: int, heldout: int) -> tuple[list[dict],
     """(train, held-out) prompts from a ``turns``-format JSONL: a seeded shuffle, the held-out ones from the end."""
     from .evaluation.suites import load_suite
 
-    prompts = [{"question_id": p.question_id, "category": p.category, "turns": p.turns} for p in load_suite(path)]
+    prompts = [{"question_id": p.id, "category": p.category, "turns": p.turns} for p in load_suite(path)]
     if len(prompts) < train + heldout:
         raise SpecdraftError(f"{path} has {len(prompts)} prompts; --train-prompts + --eval-prompts + "
                              f"--heldout-answers ask for {train + heldout}")

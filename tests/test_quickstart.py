@@ -60,3 +60,17 @@ def test_an_unknown_quickstart_target_names_the_known_ones(tmp_path):
     with pytest.raises(SpecdraftError, match="knows the targets toy, smollm2-135m-instruct"):
         quickstart(tmp_path, 6, 2, 2, overwrite=False, target="llama-3-8b")
 
+
+
+def test_prompts_from_a_file_split_into_disjoint_training_and_held_out_sets(tmp_path):
+    from specdraft.quickstart import prompts_from_file
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"question {i}"]}) + "\n"
+                            for i in range(10)))
+    train, heldout = prompts_from_file(path, 6, 3)
+    assert (len(train), len(heldout)) == (6, 3)
+    assert not {p["question_id"] for p in train} & {p["question_id"] for p in heldout}
+    assert prompts_from_file(path, 6, 3) == (train, heldout)  # a seeded shuffle: the same split every run
+    with pytest.raises(SpecdraftError, match="has 10 prompts; .* ask for 11"):
+        prompts_from_file(path, 8, 3)
