@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import random
 import resource
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -174,7 +175,15 @@ def train_all(families, recipe_prefix: str, overrides: list[str], work: Path, jo
             futures[family] = pool.submit(train_family, family, recipe,
                                           overrides + [f"checkpoint.output_dir={run_dir}"], run_dir, data_digest)
         print(f"training {', '.join(families)}, {jobs} at a time, one thread each (no progress bars; minutes)")
-        return {family: future.result() for family, future in futures.items()}
+        try:
+            return {family: future.result() for family, future in futures.items()}
+        except BaseException:
+            # Ctrl-C or a kill of this script: stop the training workers too, or they train on
+            # unseen. SIGTERM makes each save a checkpoint at its next step and exit (the loop's
+            # StopRequested); the pool's shutdown then waits for them.
+            for worker in multiprocessing.active_children():
+                worker.terminate()
+            raise
 
 
 # -- 3. evaluate and 4. exports ---------------------------------------------------------------------
@@ -240,6 +249,10 @@ def category_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m-instruct", help="a named target, 'toy', or a folder")
@@ -264,6 +277,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the answers and the eval")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the workers as Ctrl-C does (train_all)
 
     work = Path(args.work)
     target_dir = Path(resolve_target_path(args.target, "float32"))
