@@ -191,7 +191,8 @@ def train_all(families, recipe_prefix: str, overrides: list[str], work: Path, jo
 
 def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) -> dict:
     """Each format the family exports to, read back: are its first draft's probabilities the trained ones?"""
-    from specdraft.export import export, exporters_of, load_exported
+    from specdraft.contract import FolderExporter
+    from specdraft.export import check_exported, export, exporters_of, load_exported
 
     prompt = torch.tensor([[1] + list(range(100, 116))])
     greedy = SamplingParams(temperature=0.0)
@@ -204,9 +205,13 @@ def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) 
 
     want_tokens, want_probs = first_draft_probs(drafter)
     results = {}
-    for fmt in sorted(exporters_of(family)):
+    for fmt, exporter in sorted(exporters_of(family).items()):
         try:
             out = export(run_dir, fmt, work / "exports" / family / fmt, overwrite=True)
+            if isinstance(exporter, FolderExporter):  # a whole model (Medusa-2's merged target): its own check
+                check_exported(out, run_dir)
+                results[fmt] = "checked"
+                continue
             tokens, probs = first_draft_probs(load_exported(out, target).eval())
         except Exception as e:  # a format the family has no exporter for, or a broken one: report, go on
             results[fmt] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -339,4 +344,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt as stop:
+        sys.exit(f"stopped ({stop or 'Ctrl-C'}): each training run saved a checkpoint where it stopped; run the same "
+                 "command again to start them over, or `specdraft train --resume` a run folder under WORK/runs")

@@ -13,6 +13,9 @@ is one module of ``specdraft/drafters/`` that fills them in, and one line in its
     drafter.draft_source(target)            -> DraftSource   start / propose / commit, for the decoder
     drafter.save_pretrained(path)                            config.json + model.safetensors
     Family.exporters[format]                -> Exporter      write / read_back / serve hint
+                                               (FolderExporter: a format that is a whole folder)
+    Family.lr_multipliers(cfg), .unused_parameters, .eval_report, .lr_schedule: optional, for families
+                                                             with stages or parts trained at other rates
 
 Batch layout (made by ``specdraft.data``), all ``[B, T]``:
   input_ids       token ids
@@ -159,6 +162,7 @@ class TrainingContext:
     cache: Any = None  # specdraft.features.FeatureCache of this split, or None: run the target
     step: int = 0  # optimizer steps done so far: a family with stages switches on it
     training: bool = True  # False for the held-out batches of the periodic eval
+    total_steps: int = 0  # the run's optimizer steps in all: for a schedule over the run's length (0: unknown)
 
 
 @dataclass
@@ -244,6 +248,20 @@ class Exporter:
     # Ship the target's token embedding under this tensor name: the driver reads it from the target's
     # checkpoint (in the export dtype) into ``tensors`` before ``write``.
     target_embedding: str | None = None
+    # The file the tensors go to: the name the consumer's loader opens.
+    weights_file: str = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class FolderExporter:
+    """An export format that is not one config and one tensor file (a whole transformers model, say):
+    ``write(drafter_dir, tmp, out, ExportOptions)`` fills the temporary folder ``tmp`` that the driver
+    then renames to ``out`` (a format that names its own folder writes ``out``), and
+    ``check(out, drafter_dir, ExportOptions)`` reads it back and raises if it is not what it should be."""
+
+    write: Callable[[Path, Path, Path, ExportOptions], None]
+    check: Callable[[Path, Path, ExportOptions], None]
+    serve_hint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -265,10 +283,20 @@ class Family:
     build: Callable[..., Drafter]
     # (path, target) -> Drafter, from a save_pretrained folder (re-binds the target's frozen weights)
     load: Callable[..., Drafter]
-    # export format -> Exporter. "hf" (specdraft's own folder, a copy) exists for every family unless
-    # the family gives its own.
-    exporters: dict[str, Exporter] = field(default_factory=dict)
+    # export format -> Exporter (or FolderExporter). "hf" (specdraft's own folder, a copy) exists for every
+    # family unless the family gives its own.
+    exporters: dict[str, Exporter | FolderExporter] = field(default_factory=dict)
     needs_draft_vocab: bool = False  # the loop builds d2t/t2d of cfg.draft_vocab_size from the training data
     # (optimizer, recipe, total_steps) -> LR scheduler, for a family whose training has phases (a
     # re-warmup at a stage switch); None: the recipe's warmup and decay (specdraft.train.make_scheduler).
     lr_schedule: Callable[..., Any] | None = None
+    # cfg -> {parameter-name prefix in trained_module(): lr multiplier}; each prefix gets its own optimizer
+    # groups at optimizer.lr x multiplier (Medusa-2's heads train at 4x the adapters' lr). None: one lr.
+    lr_multipliers: Callable[[Any], dict[str, float]] | None = None
+    # Some steps leave trained parameters without a gradient (a stage that trains part of the module):
+    # DDP must then look for unused parameters (find_unused_parameters), which costs a graph walk per step.
+    unused_parameters: bool = False
+    # (target, drafter, prompt_ids: list of [1, L] tensors, max_new_tokens) -> {name: number}: the family's
+    # own figures for the end-of-training eval (Medusa-2: how far its adapted target drifted), printed and
+    # written to eval/family_report.json. None: nothing beyond the decoding eval.
+    eval_report: Callable[..., dict] | None = None

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_folder
 from .checkpoint import find_drafter_dir
-from .contract import Exporter, ExportOptions
+from .contract import Exporter, ExportOptions, FolderExporter
 from .errors import SpecdraftError
 from .target import resolve_target_path
 
@@ -167,12 +167,13 @@ def _target_embedding(saved: dict, tensors: dict, target: str) -> torch.Tensor:
 # -- writing and reading folders -----------------------------------------------------------------
 
 
-def _write_folder(path: Path, config: dict, tensors: dict, side: dict | None) -> None:
-    """config.json + model.safetensors (+ specdraft.json), written to a temporary folder then renamed."""
+def _write_folder(path: Path, config: dict, tensors: dict, side: dict | None,
+                  weights_file: str = "model.safetensors") -> None:
+    """config.json + the tensors (+ specdraft.json), written to a temporary folder then renamed."""
     with atomic_folder(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # metadata format=pt: transformers' from_pretrained refuses safetensors files without it
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file),
                   metadata={"format": "pt"})
         if side is not None:
             (tmp / SIDE_FILE).write_text(json.dumps(side, indent=2) + "\n")
@@ -220,6 +221,12 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
                              or (saved.get("target_config") or {}).get("_name_or_path")),
         num_speculative_tokens=num_speculative_tokens or (recipe.get("eval") or {}).get("k") or 3,
     )
+    side = {"format": fmt, "options": asdict(opts), "drafter_config": saved}
+    if isinstance(exporter, FolderExporter):  # a whole folder (a merged model): the exporter writes it
+        with atomic_folder(out_dir) as tmp:
+            exporter.write(source, tmp, out_dir.resolve(), opts)
+            (tmp / SIDE_FILE).write_text(json.dumps(side, indent=2) + "\n")
+        return out_dir
     tensors = load_file(str(source / "model.safetensors"))
     if exporter.target_embedding:
         if not opts.verifier:
@@ -229,8 +236,7 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
             )
         tensors[exporter.target_embedding] = _target_embedding(saved, tensors, opts.verifier)
     config, tensors = exporter.write(saved, tensors, opts)
-    side = None if exporter is DRAFTER_FOLDER else {"format": fmt, "options": asdict(opts), "drafter_config": saved}
-    _write_folder(out_dir, config, tensors, side)
+    _write_folder(out_dir, config, tensors, None if exporter is DRAFTER_FOLDER else side, exporter.weights_file)
     return out_dir
 
 
@@ -249,8 +255,13 @@ def load_exported(path: str | Path, target):
     side = json.loads((path / SIDE_FILE).read_text())
     saved, fmt = side["drafter_config"], side["format"]
     exporter = exporter_for(saved["family"], fmt)
+    if isinstance(exporter, FolderExporter):
+        raise SpecdraftError(
+            f"{path} is a {fmt} export, a whole model rather than a drafter folder: check it with "
+            "specdraft.export.check_exported, and load what it holds as its serve hint says."
+        )
     config = json.loads((path / "config.json").read_text())
-    tensors = load_file(str(path / "model.safetensors"))
+    tensors = load_file(str(path / exporter.weights_file))
     embed = exporter.target_embedding
     if embed and embed not in tensors:
         raise SpecdraftError(f"{path} was changed after export ({embed} is missing). Export it again.")
@@ -276,6 +287,17 @@ def load_exported(path: str | Path, target):
     with tempfile.TemporaryDirectory() as tmp:
         _write_folder(Path(tmp) / "drafter", saved, weights, None)
         return load_drafter(Path(tmp) / "drafter", target)
+
+
+def check_exported(path: str | Path, drafter_dir: str | Path) -> None:
+    """Raise unless the export at ``path`` is what ``export`` writes for the drafter in ``drafter_dir``
+    (a FolderExporter's own check; other formats are read back by ``load_exported``)."""
+    path = Path(path)
+    side = json.loads((path / SIDE_FILE).read_text())
+    exporter = exporter_for(side["drafter_config"]["family"], side["format"])
+    if not isinstance(exporter, FolderExporter):
+        raise SpecdraftError(f"{path} is a {side['format']} export: read it back with load_exported")
+    exporter.check(path, find_drafter_dir(Path(drafter_dir)), ExportOptions(**side["options"]))
 
 
 # -- the command ---------------------------------------------------------------------------------

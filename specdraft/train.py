@@ -47,6 +47,7 @@ from .train_parts import (
     StopRequested,
     append_jsonl,
     check_run_dir,
+    ddp_arguments,
     deepspeed_arguments,
     flat_config,
     load_models_whole,
@@ -69,10 +70,12 @@ class TrainStep(nn.Module):
         # In a tuple, outside the module tree: never wrapped, cast, sharded or saved by the loop.
         self._outside = (drafter, target, caches)
         self.prepare_seconds = 0.0  # training time in prepare: the target forward (or generation)
+        self.total_steps = 0  # set once the loader is sharded (build_run): the run's length, for prepare
 
     def forward(self, batch: dict[str, torch.Tensor], step: int, split: str = "train"):
         drafter, target, caches = self._outside
-        context = TrainingContext(target, None if caches is None else caches[split], step, split == "train")
+        context = TrainingContext(target, None if caches is None else caches[split], step, split == "train",
+                                  self.total_steps)
         start = time.perf_counter()
         example = drafter.prepare(batch, context)
         if split == "train":
@@ -178,6 +181,8 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     tcfg = recipe.training
     run_dir = Path(recipe.checkpoint.output_dir)
     trackers = [t for t in recipe.tracking.trackers if t != "none"]
+    family = get_family(recipe.drafter_family)
+    deepspeed = deepspeed_arguments(tcfg)
     accelerator = Accelerator(
         gradient_accumulation_steps=tcfg.grad_accumulation,
         mixed_precision=tcfg.mixed_precision,
@@ -186,14 +191,13 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
         # data_seed: the shuffle follows training.seed, whatever a drafter's build does to torch's
         # global seed (without it accelerate seeds the sampler from torch.initial_seed() at prepare).
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=tcfg.seed),
-        **deepspeed_arguments(tcfg),
+        **(deepspeed or ddp_arguments(family)),
     )
     load_models_whole(accelerator)
     prepare_run_dir(run_dir, resume, overwrite, accelerator.is_main_process)
     accelerator.wait_for_everyone()
     set_seed(tcfg.seed)
 
-    family = get_family(recipe.drafter_family)
     target = load_target(recipe, accelerator.device, needs)
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
     drafter = family.build(target, recipe.drafter, _draft_vocab(recipe, family, target, train_ds))
@@ -210,13 +214,16 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
 
     step_module = TrainStep(drafter, target, caches)
     o = recipe.optimizer
-    optimizer = torch.optim.AdamW(param_groups(step_module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    multipliers = family.lr_multipliers(recipe.drafter) if family.lr_multipliers else None
+    optimizer = torch.optim.AdamW(param_groups(step_module.trained, o.weight_decay, o.lr, multipliers), lr=o.lr,
+                                  betas=tuple(o.betas), eps=o.eps)
     step_module, optimizer, loader, eval_loader = accelerator.prepare(step_module, optimizer, loader, eval_loader)
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper steps it
     # once per process, which would make N processes follow a different schedule than one.
     steps_per_epoch = max(1, len(loader) // tcfg.grad_accumulation)
     total_steps = tcfg.max_steps or math.ceil(tcfg.epochs * steps_per_epoch)
     scheduler = (family.lr_schedule or make_scheduler)(optimizer, recipe, total_steps)
+    accelerator.unwrap_model(step_module).total_steps = total_steps
     run = Run(recipe, accelerator, run_dir, target, drafter, step_module, optimizer, scheduler, loader, eval_loader,
               total_steps, trackers=trackers)
     _start_or_resume(run, resume)
@@ -433,6 +440,7 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
     from .decoding.sources import PromptLookupSource
     from .evaluation.report import format_table
     from .evaluation.run import evaluate as evaluate_decoding
+    from .evaluation.run import family_report
 
     cfg = recipe.eval
     if not cfg.prompts:
@@ -450,4 +458,5 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
             num_prompts=cfg.num_prompts, wandb_run=wandb_run, show_progress=show_progress,
         )
         print(format_table(results[temperature]))
+    family_report(recipe.drafter_family, target, drafter, cfg.prompts, cfg.max_new_tokens, out_dir, cfg.num_prompts)
     return results

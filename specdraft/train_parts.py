@@ -53,6 +53,16 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, is_main: bool)
 # `accelerate launch --config_file recipes/accelerate/deepspeed_zero{2,3}.yaml` sets
 # ACCELERATE_USE_DEEPSPEED; the loop is then unchanged: accelerator.backward runs the engine's
 # backward and step, and optimizer.step/zero_grad become no-ops.
+def ddp_arguments(family) -> dict:
+    """Extra ``Accelerator`` arguments for DDP: a family whose steps leave parameters without a gradient
+    (``Family.unused_parameters``) needs DDP to look for them, or its backward waits forever."""
+    if not family.unused_parameters:
+        return {}
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return {"kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True)]}
+
+
 def deepspeed_arguments(tcfg) -> dict:
     """Extra ``Accelerator`` arguments when launched for DeepSpeed, else none."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
@@ -86,15 +96,26 @@ def load_models_whole(accelerator) -> None:
 # -- DeepSpeed (end) ----------------------------------------------------------------------------
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms and biases are scale parameters, decaying them only hurts."""
+def param_groups(model: nn.Module, weight_decay: float, lr: float,
+                 lr_multipliers: dict[str, float] | None = None) -> list[dict]:
+    """AdamW groups: decay matrices only (norms and biases are scale parameters, decaying them only
+    hurts), each at ``lr`` times the multiplier of the longest ``lr_multipliers`` prefix its name has."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise SpecdraftError("the drafter has no trainable parameters; check the drafter family config")
-    return [
-        {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    prefixes = sorted(lr_multipliers or {}, key=len, reverse=True)
+    unmatched = [prefix for prefix in prefixes if not any(n.startswith(prefix) for n, _ in params)]
+    if unmatched:  # a family naming parameters it does not have would silently train them at 1x
+        raise SpecdraftError(f"the family's lr_multipliers name {unmatched}, which match no trained parameter")
+
+    def multiplier(name: str) -> float:
+        return next((lr_multipliers[prefix] for prefix in prefixes if name.startswith(prefix)), 1.0)
+
+    groups: dict[tuple[bool, float], list] = {}
+    for name, param in params:
+        groups.setdefault((param.ndim >= 2, multiplier(name)), []).append(param)
+    return [{"params": group, "weight_decay": weight_decay if decays else 0.0, "lr": lr * scale}
+            for (decays, scale), group in sorted(groups.items(), key=lambda item: (-item[0][0], item[0][1]))]
 
 
 def make_scheduler(optimizer, recipe: Recipe, total_steps: int):

@@ -19,11 +19,13 @@ FAMILIES: dict[str, Family] = {}
 from .eagle1 import EAGLE1  # noqa: E402
 from .eagle3 import EAGLE3  # noqa: E402
 from .medusa import MEDUSA1  # noqa: E402
+from .medusa2 import MEDUSA2  # noqa: E402
 from .mlp_speculator import MLP_SPECULATOR  # noqa: E402
 
 FAMILIES[EAGLE1.name] = EAGLE1
 FAMILIES[EAGLE3.name] = EAGLE3
 FAMILIES[MEDUSA1.name] = MEDUSA1
+FAMILIES[MEDUSA2.name] = MEDUSA2
 FAMILIES[MLP_SPECULATOR.name] = MLP_SPECULATOR
 
 

@@ -348,9 +348,12 @@ def target_fingerprint(target) -> str | None:
     """A hash of the target's parameters (shapes, and 64 evenly spaced values of each, rounded to
     bfloat16 so a float32 and a bfloat16 load of one checkpoint agree). Heads trained on one target
     are refused on another of the same dimensions (a base model and its instruct version). None on
-    the meta device, where there are no values."""
+    the meta device, where there are no values. LoRA adapters that Medusa-2 put inside the target
+    (peft's ``lora_*`` tensors) are left out: its heads load back on the target they adapted."""
     digest = hashlib.sha256()
-    for param in target.model.parameters():
+    for name, param in target.model.named_parameters():
+        if "lora_" in name:
+            continue
         if param.device.type == "meta":
             return None
         flat = param.detach().reshape(-1)
@@ -579,11 +582,13 @@ def _copy(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
 
 NO_SGLANG = "(SGLang has no Medusa support: its SpeculativeAlgorithm has no MEDUSA.)"
 MEDUSA_EXPORTERS = {
+    # FasterDecoding/Medusa, TGI (server/text_generation_server/models/__init__.py) and TensorRT-LLM
+    # (models/medusa/weight.py) all open medusa_lm_head.safetensors in the folder.
     "medusa": Exporter(
         to_fasterdecoding, from_fasterdecoding,
-        "FasterDecoding/Medusa, TGI and TensorRT-LLM read these tensors from medusa_lm_head.safetensors in the "
-        "folder, with TARGET as the base model: mv {out}/model.safetensors {out}/medusa_lm_head.safetensors. "
-        + NO_SGLANG),
+        "FasterDecoding/Medusa, TGI and TensorRT-LLM read {out} (medusa_lm_head.safetensors, config.json) with "
+        "TARGET as the base model. " + NO_SGLANG,
+        weights_file="medusa_lm_head.safetensors"),
     "vllm": Exporter(
         to_vllm, from_vllm,
         "vllm serve TARGET --speculative-config '{\"method\": \"medusa\", \"model\": \"{out}\", "

@@ -145,6 +145,32 @@ def _summaries(records, plain_records, k) -> dict:
     }
 
 
+def family_report(name: str, target, drafter, prompts, max_new_tokens: int, out_dir: str | Path | None = None,
+                  num_prompts: int | None = None, prefix_tokens: int = 128) -> dict | None:
+    """The drafter family's own figures (``Family.eval_report``) on the prompts' first turns, printed and
+    written to OUT/family_report.json; None for a family without any."""
+    import json
+
+    from specdraft.drafters import get_family
+
+    report_fn = get_family(drafter.family).eval_report
+    if report_fn is None:
+        return None
+    tokenizer = target.tokenizer
+    prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, p, prefix_tokens=prefix_tokens)], device=target.device)
+                  for p in _as_prompts(prompts, num_prompts)]
+    figures = report_fn(target, drafter, prompt_ids, max_new_tokens)
+    print(f"{name} ({drafter.family}): " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                       for k, v in figures.items()))
+    if out_dir is not None:
+        path = Path(out_dir) / "family_report.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({name: figures}, indent=1) + "\n")
+        tmp.replace(path)  # write-then-rename: never half a report
+    return figures
+
+
 def _as_prompts(prompts, num_prompts) -> list[Prompt]:
     if isinstance(prompts, (str, Path)):
         prompts = [prompts]
@@ -265,9 +291,20 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
     sources: dict[str, Callable[[], DraftSource]] = {}
+    drafters = {}
     for path in args.drafter:
         # Each loaded drafter declares what it reads, and the target computes that from then on.
-        sources[_unique_name(sources, Path(path).name)] = load_drafter(path, target).draft_source(target)
+        name = _unique_name(sources, Path(path).name)
+        drafters[name] = load_drafter(path, target).eval()
+        sources[name] = drafters[name].draft_source(target)
+    adapting = [name for name, d in drafters.items() if d.needs.trains_adapters]
+    if adapting and len(drafters) + len(args.draft_model) > 1:
+        # Its adapters now live inside the target: every other method would be verified by the adapted model.
+        raise SpecdraftError(
+            f"--drafter {adapting[0]} trained adapters inside the target (Medusa-2), so loading it changes the target "
+            "that plain decoding and every other drafter use: evaluate it in a run of its own (prompt lookup may "
+            "stay)."
+        )
     for path in args.draft_model:
         draft_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype),
@@ -298,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
     if wandb_run is not None:
         wandb_run.finish()
     print(report.format_table(result))
+    for name, drafter in drafters.items():
+        family_report(name, target, drafter, args.prompts, args.max_new_tokens,
+                      args.out and Path(args.out) / name, args.num_prompts, args.prefix_tokens)
     if args.out:
         print(f"\nwrote {', '.join(result['files'].values())}")
     return 0

@@ -1,0 +1,374 @@
+"""Medusa-2 (Cai et al. 2024, arXiv 2401.10774, Sec. 2.2.2 and 2.3.2): Medusa heads trained jointly with
+LoRA adapters inside the target, by self-distillation.
+
+The heads are Medusa-1's (``specdraft.drafters.medusa``). peft puts LoRA adapters (r=32, alpha=16,
+dropout 0.05 by default) on the target's attention and MLP projections, and one run trains in two stages:
+
+    steps [0, joint_from_step)   the heads only; the target is its original self (B = 0, no step taken)
+    steps [joint_from_step, ..)  L = L_LM + lambda_heads * sched(step) * sum_k 0.8^k CE_k
+
+L_LM = KL(p_original || p_adapted) on the target's own answers (self-distillation, Sec. 2.3.2): the
+teacher is the same model with its adapters switched off (peft's ``disable_adapter()``), under no_grad,
+so the target sits in memory once. The heads learn the answers' tokens from the adapted target's hidden
+states. sched is the reference trainer's (FasterDecoding's axolotl patch): constant 1, or a linear or
+sine (sin(pi/2 x)) warmup over ``heads_warmup_ratio`` of the run's steps (its ``sine_<ratio>``).
+
+The heads train at ``head_lr_multiplier`` (4x) the adapters' lr (the reference's medusa_lr_multiplier),
+and a stage-1 step leaves the adapters without a gradient: the family declares both to the loop
+(``Family.lr_multipliers``, ``Family.unused_parameters``).
+
+Serving: the ``merged`` export folds the adapters into the target's weights (peft's merge_and_unload) as
+a normal transformers folder, with the heads in ``medusa_heads/`` (a Medusa-1 drafter of that merged
+target; ``specdraft export OUT/medusa_heads --format vllm --target OUT`` gives vLLM's layout). The end of
+training reports how far the adapted target drifted from the original (``drift_report``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..atomic import atomic_folder
+from ..contract import (
+    Example,
+    ExportOptions,
+    Family,
+    FolderExporter,
+    LossOutput,
+    TargetNeeds,
+    TrainingContext,
+)
+from ..data.vocab import DraftVocab
+from ..errors import SpecdraftError
+from ..losses import forward_kl
+from .eagle_common import target_config_dict
+from .medusa import (
+    MEDUSA1,
+    MedusaConfig,
+    MedusaDrafter,
+    check_same_target,
+    medusa_lr_schedule,
+    medusa_needs,
+)
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SCHEDULES = ("constant", "linear", "sine")
+
+
+@dataclass
+class Medusa2Config(MedusaConfig):
+    """Medusa-2: the heads (Medusa-1's fields) plus LoRA on the target and the joint objective."""
+
+    lora_r: int = 32
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_MODULES))
+    heads_coefficient: float = 0.2  # lambda_heads
+    heads_schedule: str = "constant"  # sched(step): constant, linear or sine
+    heads_warmup_ratio: float = 1.0  # a linear / sine sched reaches 1 after this share of the run's steps
+    head_lr_multiplier: float = 4.0  # the heads' lr = optimizer.lr x this (the reference's medusa_lr_multiplier)
+    joint_from_step: int = 0  # stage 1 (heads only) before this optimizer step, stage 2 (joint) from it
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.distill:
+            raise SpecdraftError("Medusa-2's heads learn the answers' tokens; drafter.distill is Medusa-1's option")
+        if self.heads_schedule not in SCHEDULES:
+            raise SpecdraftError(f"drafter.heads_schedule must be one of {', '.join(SCHEDULES)}, got "
+                                 f"{self.heads_schedule!r}")
+        if not 0.0 < self.heads_warmup_ratio <= 1.0:
+            raise SpecdraftError(f"drafter.heads_warmup_ratio must be in (0, 1], got {self.heads_warmup_ratio}")
+        for name in ("lora_r", "lora_alpha"):
+            if getattr(self, name) < 1:
+                raise SpecdraftError(f"drafter.{name} must be >= 1")
+        if not 0.0 <= self.lora_dropout < 1.0 or self.heads_coefficient < 0 or self.head_lr_multiplier <= 0:
+            raise SpecdraftError("drafter.lora_dropout must be in [0, 1), heads_coefficient >= 0, "
+                                 "head_lr_multiplier > 0")
+        if self.joint_from_step < 0:
+            raise SpecdraftError("drafter.joint_from_step must be >= 0 (0: joint training from the start)")
+
+
+def heads_schedule(cfg: Medusa2Config, step: int, total_steps: int) -> float:
+    """sched(step) in [0, 1]: constant 1, or linear / sine (sin(pi/2 x)) in x = step / (ratio x total_steps)."""
+    if cfg.heads_schedule == "constant":
+        return 1.0
+    if total_steps < 1:
+        raise SpecdraftError(f"drafter.heads_schedule {cfg.heads_schedule} follows the run's length, and this "
+                             "context gives none (TrainingContext.total_steps); use heads_schedule: constant")
+    progress = min(1.0, step / (cfg.heads_warmup_ratio * total_steps))
+    return progress if cfg.heads_schedule == "linear" else math.sin(progress * math.pi / 2)
+
+
+def check_lora_modules(cfg: Medusa2Config, model: nn.Module) -> None:
+    """LoRA goes on Linear modules of these names. A name the target lacks is refused, listing those it
+    has (peft itself only says it found none of them)."""
+    head = model.get_output_embeddings()
+    have = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not head})
+    missing = sorted(set(cfg.lora_target_modules) - set(have))
+    if missing:
+        raise SpecdraftError(f"drafter.lora_target_modules names {missing}, which this target does not have; its "
+                             f"Linear modules are {have} (the LM head left out)")
+
+
+def medusa2_needs(cfg: Medusa2Config, target_config) -> TargetNeeds:
+    """Full logits (the KL to the original), the final hidden state (the heads), trained adapters. The LoRA
+    names are checked on a meta-device copy of the target: no weight loads."""
+    from transformers import AutoModelForCausalLM
+
+    medusa_needs(cfg, target_config)
+    with torch.device("meta"):
+        check_lora_modules(cfg, AutoModelForCausalLM.from_config(target_config))
+    return TargetNeeds(logits="full", final_hidden=True, trains_adapters=True)
+
+
+# The PeftModel around each adapted target, so a second drafter on that target finds its adapters.
+_ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def adapt(target, cfg: Medusa2Config):
+    """LoRA adapters inside ``target.model`` (peft injects them in place, so the target's own forward runs
+    through them); returns the PeftModel, for ``disable_adapter()`` and peft's save format."""
+    from peft import LoraConfig, get_peft_model
+
+    if target in _ADAPTED:
+        return _ADAPTED[target]
+    check_lora_modules(cfg, target.model)
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_target_modules))
+    # eval(): the target stays in eval mode (peft's new dropout modules start in train mode); the loop
+    # puts the trained module, adapters included, in train mode while it trains.
+    _ADAPTED[target] = get_peft_model(target.model, lora).eval()
+    return _ADAPTED[target]
+
+
+class Medusa2Drafter(MedusaDrafter):
+    """Medusa heads plus LoRA adapters in the target. ``trained_module()`` holds both, as ``heads.*`` and
+    ``adapters.*`` (the PeftModel, whose only trainable tensors are its lora_A / lora_B)."""
+
+    family = "medusa2"
+
+    def __init__(self, target, cfg: Medusa2Config, draft_vocab: DraftVocab | None):
+        super().__init__(target, cfg, draft_vocab)  # the fingerprint is of the target's own weights
+        self.needs = TargetNeeds(logits="full", final_hidden=True, trains_adapters=True)
+        peft_model = adapt(target, cfg)
+        # Outside the module tree: the target is not this module's to save, cast or move.
+        self._outside = (target, peft_model, nn.ModuleDict({"heads": self.heads, "adapters": peft_model}))
+        self._checked_data = False
+
+    def trained_module(self) -> nn.Module:
+        return self._outside[2]
+
+    @property
+    def peft_model(self):
+        return self._outside[1]
+
+    def train(self, mode: bool = True):
+        """The adapters follow the heads: drafter.eval() (the acceptance eval's) turns LoRA dropout off."""
+        self.peft_model.train(mode)
+        return super().train(mode)
+
+    def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
+        target, cfg = self._outside[0], self.config
+        with torch.no_grad(), self.peft_model.disable_adapter():  # the teacher: the original target
+            original = target.forward_batch(batch, "full")
+        if context.training and not self._checked_data:
+            self._warn_unless_regenerated(batch, original.logits)
+        joint = context.step >= cfg.joint_from_step
+        # Stage 1 reads the original target (its adapters take no step); stage 2 the adapted one, with
+        # autograd through the adapters.
+        adapted = target.forward_batch(batch, "full") if joint else original
+        device = original.logits.device
+        weight = cfg.heads_coefficient * heads_schedule(cfg, context.step, context.total_steps)
+        extra = {"teacher_logits": original.logits, "heads_weight": torch.tensor(weight, device=device),
+                 "joint": torch.tensor(float(joint), device=device)}
+        return Example({**batch, **extra}, adapted)
+
+    def _warn_unless_regenerated(self, batch, logits) -> None:
+        """Medusa-2 distills the target on its own answers: data it would not have written pulls it away
+        from itself. The original's top-1 matching under half the answer tokens says so."""
+        self._checked_data = True
+        mask = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
+        agree = (logits[:, :-1].argmax(-1) == batch["input_ids"][:, 1:])[mask].float().mean().item()
+        if agree < 0.5:
+            warnings.warn(
+                f"the target's own top-1 matches only {agree:.0%} of the answer tokens: this data does not look like "
+                "its own answers, and Medusa-2 fine-tunes the target on it. Regenerate it first: specdraft "
+                "regenerate --target TARGET --data DATA --out data/regenerated.jsonl", stacklevel=2)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor], target_out) -> LossOutput:
+        heads = super().compute_loss(batch, target_out)  # sum_k 0.8^k CE_k on the answers' tokens
+        attention = batch["attention_mask"].bool()
+        mask = batch["loss_mask"][:, 1:].bool() & attention[:, :-1] & attention[:, 1:]
+        if "seq_ids" in batch:
+            mask = mask & (batch["seq_ids"][:, :-1] == batch["seq_ids"][:, 1:])
+        # L_LM = KL(p_original || p_adapted) at every answer position (0 in stage 1: the target is the original)
+        lm = forward_kl(target_out.logits[:, :-1], batch["teacher_logits"][:, :-1], mask)
+        loss = batch["joint"] * lm + batch["heads_weight"] * heads.loss
+        metrics = {**heads.metrics, "loss_heads": heads.loss.detach(), "kl_original_adapted": lm.detach(),
+                   "heads_weight": batch["heads_weight"]}
+        return LossOutput(loss, metrics)
+
+    def save_pretrained(self, path) -> None:
+        """config.json, model.safetensors (the trained tensors, heads.* and adapters.*lora_*: what a resume
+        restores) and adapter/ in peft's own format (adapter_config.json, adapter_model.safetensors)."""
+        config = {"family": self.family, "config": asdict(self.config), "draft_vocab_size": self.draft_vocab_size,
+                  "target_config": target_config_dict(self.target_config),
+                  "target_fingerprint": self.target_fingerprint}
+        trained = {n: p.detach().cpu().contiguous() for n, p in self.trained_module().named_parameters()
+                   if n.startswith("heads.") or "lora_" in n}
+        buffers = {n: b.cpu() for n, b in self.state_dict().items() if n in ("d2t", "t2d")}
+        with atomic_folder(Path(path)) as tmp:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            save_file({**trained, **buffers}, str(tmp / "model.safetensors"))
+            self.peft_model.save_pretrained(str(tmp / "adapter"))
+
+
+def build_medusa2(target, cfg: Medusa2Config, draft_vocab: DraftVocab | None = None) -> Medusa2Drafter:
+    medusa2_needs(cfg, target.config)
+    vocab_size = target.vocab_size
+    if cfg.reduces_vocab(vocab_size) and draft_vocab is None:
+        if target.device.type != "meta":
+            raise SpecdraftError("drafter.draft_vocab_size below the target's vocabulary needs a draft vocabulary "
+                                 "built from the data (build_draft_vocab), or draft_vocab_size: null")
+        draft_vocab = DraftVocab.from_target_ids(torch.arange(cfg.draft_vocab_size), vocab_size)  # sizing only
+    if draft_vocab is not None and draft_vocab.size == vocab_size:
+        draft_vocab = None
+    with torch.device(target.device):
+        drafter = Medusa2Drafter(target, cfg, draft_vocab)
+    target.require(drafter.needs)
+    return drafter
+
+
+def load_medusa2(path, target) -> Medusa2Drafter:
+    """Heads and adapters on ``target``: the original target (adapters are injected), or the very target
+    they trained in (its adapters are loaded over)."""
+    path = Path(path)
+    saved = json.loads((path / "config.json").read_text())
+    if saved.get("family") != "medusa2":
+        raise SpecdraftError(f"{path} holds a {saved.get('family')!r} drafter, not 'medusa2'")
+    check_same_target(saved, target, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    vocab = None
+    if "d2t" in tensors:
+        vocab = DraftVocab(d2t=tensors.pop("d2t").long(), t2d=tensors.pop("t2d").bool())
+    drafter = build_medusa2(target, Medusa2Config(**saved["config"]), vocab)
+    missing, unexpected = drafter.trained_module().load_state_dict(tensors, strict=False)
+    trainable = {n for n, p in drafter.trained_module().named_parameters() if n.startswith("heads.") or "lora_" in n}
+    if unexpected or trainable & set(missing):
+        raise SpecdraftError(f"{path} does not match this Medusa-2 drafter (missing "
+                             f"{sorted(trainable & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]})")
+    drafter.target_fingerprint = saved.get("target_fingerprint")
+    return drafter
+
+
+# -- what the end-of-training eval adds: the adapted target's drift ---------------------------------------
+
+
+@torch.no_grad()
+def drift_report(target, drafter: Medusa2Drafter, prompts: list[torch.Tensor], max_new_tokens: int = 128) -> dict:
+    """How far the adapted target drifted from the original on held-out prompts: the mean KL(p_original ||
+    p_adapted) along the original's greedy continuation (teacher-forced), and the greedy agreement of the
+    two over ``max_new_tokens``: the share of positions that agree, and the mean common prefix."""
+    from ..decoding.speculative import plain_decode
+
+    peft_model = drafter.peft_model
+    kls, agree, prefix = [], [], []
+    for prompt in prompts:
+        with peft_model.disable_adapter():
+            original = plain_decode(target, prompt, max_new_tokens=max_new_tokens).tokens
+        adapted = plain_decode(target, prompt, max_new_tokens=max_new_tokens).tokens
+        ids = torch.cat([prompt, torch.tensor([original], device=prompt.device)], dim=1)
+        with peft_model.disable_adapter():
+            p = target(ids).logits[:, prompt.shape[1] - 1 : -1]
+        q = target(ids).logits[:, prompt.shape[1] - 1 : -1]
+        kls.append(forward_kl(q, p, torch.ones(p.shape[:-1], device=p.device)).item())
+        n = min(len(original), len(adapted))
+        same = [a == b for a, b in zip(original[:n], adapted[:n])]
+        agree.append(sum(same) / max(n, 1))
+        prefix.append(next((i for i, s in enumerate(same) if not s), n))
+    return {"mean_kl_original_adapted": sum(kls) / len(kls), "greedy_agreement": sum(agree) / len(agree),
+            "greedy_common_prefix": sum(prefix) / len(prefix), "prompts": len(prompts), "tokens": max_new_tokens}
+
+
+# -- the merged export: the adapted target as a plain transformers model, the heads beside it ------------
+
+
+def _adapted(drafter_dir: Path, opts: ExportOptions):
+    from ..target import FrozenTarget
+
+    if not opts.verifier:
+        raise SpecdraftError("the merged export folds the adapters into the target: pass --target with the "
+                             "target's folder or hub id (no recipe with target.path was found)")
+    target = FrozenTarget.from_pretrained(opts.verifier, dtype="float32")
+    return target, load_medusa2(drafter_dir, target)
+
+
+def write_merged(drafter_dir: Path, tmp: Path, out: Path, opts: ExportOptions) -> None:
+    """OUT: the merged target (config, safetensors in the target's dtype, tokenizer, generation config) and
+    OUT/medusa_heads (a Medusa-1 drafter of the merged target, which its config names by OUT's path)."""
+    target, drafter = _adapted(drafter_dir, opts)
+    merged = drafter.peft_model.merge_and_unload()  # W + (alpha/r) B A, the adapters gone
+    merged.to(_saved_dtype(drafter.target_config)).save_pretrained(tmp)  # the target's own dtype
+    target.tokenizer.save_pretrained(tmp)
+    heads_only = MedusaConfig(**{k: v for k, v in asdict(drafter.config).items() if k in MedusaConfig.__dataclass_fields__})
+    merged_target = _merged_target(tmp)
+    merged_target.model.config._name_or_path = str(out)  # where it will be once the driver renames tmp
+    vocab = DraftVocab(drafter.d2t, drafter.t2d) if drafter.reduced else None
+    medusa1 = MEDUSA1.build(merged_target, heads_only, vocab)
+    medusa1.load_state_dict(drafter.state_dict())
+    medusa1.save_pretrained(tmp / "medusa_heads")
+
+
+def _saved_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _merged_target(folder: Path):
+    from ..target import FrozenTarget
+
+    return FrozenTarget.from_pretrained(folder, dtype="float32")
+
+
+def check_merged(out: Path, drafter_dir: Path, opts: ExportOptions) -> None:
+    """The merged target's logits and the heads' on it equal the adapted target's, on a fixed sequence,
+    to the rounding of the export's dtype."""
+    from ..drafters import load_drafter
+
+    target, drafter = _adapted(drafter_dir, opts)
+    drafter.eval()
+    merged = _merged_target(out)
+    heads = load_drafter(out / "medusa_heads", merged)
+    ids = torch.arange(1, 17, device=target.device)[None] % target.vocab_size
+    adapted_out, merged_out = target(ids), merged(ids)
+    # A float32 target merges exactly up to summation order; a bf16 one is rounded once more on saving.
+    saved = json.loads((out / "config.json").read_text())
+    tolerance = 1e-4 if saved.get("dtype", "float32") == "float32" else 5e-2
+    for what, have, want in (("logits", merged_out.logits, adapted_out.logits),
+                             ("head logits", heads.head_logits(merged_out.final_hidden),
+                              drafter.head_logits(adapted_out.final_hidden))):
+        gap = (have - want).abs().max().item()
+        if gap > tolerance * max(1.0, want.abs().max().item()):
+            raise SpecdraftError(f"{out}: the merged target's {what} differ from the adapted target's by {gap:.3g}; "
+                                 "export it again")
+
+
+MERGED = FolderExporter(
+    write_merged, check_merged,
+    "vllm serve {out} (the merged target), with the heads: specdraft export {out}/medusa_heads --format vllm "
+    "--target {out} --out HEADS, then --speculative-config '{\"method\": \"medusa\", \"model\": \"HEADS\", "
+    "\"num_speculative_tokens\": NUM_HEADS}'")
+
+MEDUSA2 = Family(name="medusa2", config_cls=Medusa2Config, needs=medusa2_needs, build=build_medusa2,
+                 load=load_medusa2, exporters={"merged": MERGED}, needs_draft_vocab=True,
+                 lr_schedule=medusa_lr_schedule, lr_multipliers=lambda cfg: {"heads.": cfg.head_lr_multiplier},
+                 unused_parameters=True, eval_report=drift_report)

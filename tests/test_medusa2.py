@@ -1,0 +1,286 @@
+"""Medusa-2: Medusa heads trained with LoRA adapters inside the target (self-distillation, two stages).
+
+Unit tests on a 2-layer Llama; then real `specdraft train` runs: killed with kill -9 and resumed, the
+heads' 4x lr, the merged export, the drift report of the end-of-training eval, and two DDP processes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_medusa import chat_batch, tiny_target
+
+from specdraft.config import load_recipe
+from specdraft.contract import TrainingContext
+from specdraft.drafters import load_drafter
+from specdraft.drafters.medusa2 import (
+    MEDUSA2,
+    Medusa2Config,
+    drift_report,
+    heads_schedule,
+)
+from specdraft.errors import SpecdraftError
+from specdraft.export import check_exported, export, load_exported
+from specdraft.target import FrozenTarget
+
+
+def lora(drafter, kind: str):
+    return [p for n, p in drafter.trained_module().named_parameters() if f"lora_{kind}" in n]
+
+
+def test_stage_1_trains_the_heads_alone_and_stage_2_starts_at_kl_0():
+    target = tiny_target()
+    drafter = MEDUSA2.build(target, Medusa2Config(num_heads=2, joint_from_step=3))
+    for step, joint in ((0, False), (3, True)):
+        example = drafter.prepare(chat_batch(), TrainingContext(target, step=step))
+        out = drafter.compute_loss(example.batch, example.target)
+        out.loss.backward()
+        grads = [p.grad for p in lora(drafter, "B")]
+        if joint:  # B = 0 at the start, so only B gets a gradient (dL/dA = B^T ... = 0)
+            assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+        else:  # the adapters take no part: DDP must look for unused parameters (Family.unused_parameters)
+            assert all(g is None for g in grads)
+        assert all(p.grad is not None for p in drafter.heads.parameters())
+        assert out.metrics["kl_original_adapted"] == 0  # B = 0: the adapted target is the original
+        drafter.trained_module().zero_grad(set_to_none=True)
+    assert MEDUSA2.unused_parameters
+
+
+def test_lora_modules_the_target_lacks_are_refused_with_those_it_has():
+    with pytest.raises(SpecdraftError, match=r"names \['wq'\].*\['down_proj', 'gate_proj', 'k_proj', 'o_proj'"):
+        MEDUSA2.build(tiny_target(), Medusa2Config(lora_target_modules=["q_proj", "wq"]))
+
+
+def test_heads_schedules_follow_the_runs_length():
+    assert heads_schedule(Medusa2Config(), 5, 0) == 1.0
+    assert heads_schedule(Medusa2Config(heads_schedule="linear"), 5, 20) == 0.25  # step / max_steps
+    sine = Medusa2Config(heads_schedule="sine", heads_warmup_ratio=0.5)  # the reference's sine_0.5
+    assert heads_schedule(sine, 5, 20) == pytest.approx(0.7071, abs=1e-4) and heads_schedule(sine, 15, 20) == 1.0
+    with pytest.raises(SpecdraftError, match="run's length.*heads_schedule: constant"):
+        heads_schedule(sine, 5, 0)
+
+
+def test_data_the_target_did_not_write_gets_a_warning_naming_regenerate():
+    target = tiny_target()
+    drafter = MEDUSA2.build(target, Medusa2Config(num_heads=2))
+    with pytest.warns(UserWarning, match="specdraft regenerate"):
+        drafter.prepare(chat_batch(), TrainingContext(target))
+
+
+def test_lr_multipliers_naming_no_parameter_are_refused():
+    from specdraft.train_parts import param_groups
+
+    module = torch.nn.ModuleDict({"heads": torch.nn.Linear(2, 2), "adapters": torch.nn.Linear(2, 2)})
+    groups = param_groups(module, 0.1, 1e-3, {"heads.": 4.0})
+    assert sorted((g["lr"], g["weight_decay"], len(g["params"])) for g in groups) == [
+        (1e-3, 0.0, 1), (1e-3, 0.1, 1), (4e-3, 0.0, 1), (4e-3, 0.1, 1)]
+    with pytest.raises(SpecdraftError, match=r"lr_multipliers name \['head\.'\]"):
+        param_groups(module, 0.1, 1e-3, {"head.": 4.0})
+
+
+# -- real runs ------------------------------------------------------------------------------------------------
+
+# `specdraft train` with Medusa-2's compute_loss wrapped to SIGKILL its own process at the
+# PROBE_KILL_AT_CALL-th training micro-batch.
+KILLING_CLI = textwrap.dedent("""
+    import os, signal, sys
+    from specdraft.cli import main
+    from specdraft.drafters.medusa2 import Medusa2Drafter
+
+    real, calls = Medusa2Drafter.compute_loss, [0]
+
+    def compute_loss(self, batch, target_out):
+        if self.training:
+            calls[0] += 1
+            if calls[0] == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, batch, target_out)
+
+    Medusa2Drafter.compute_loss = compute_loss
+    sys.exit(main())
+""")
+
+STEPS, SAVE_EVERY, JOINT_FROM, KILL_AT_STEP = 10, 4, 3, 7
+
+
+def medusa2_recipe(folder: Path, **training) -> dict:
+    from spine import make_recipe
+
+    return make_recipe(folder, folder / "target", folder / "chat.jsonl",
+                       drafter={"family": "medusa2", "num_heads": 2, "joint_from_step": JOINT_FROM, "lora_r": 4,
+                                "heads_schedule": "linear", "warmup_ratio": 0.2},
+                       optimizer={"lr": 1e-2, "warmup_steps": 0},
+                       training={"max_steps": STEPS, **training}, checkpoint={"save_every": SAVE_EVERY})
+
+
+def killed_runs(folder: Path):
+    from spine import KilledRun
+
+    class Killed(KilledRun):
+        def _train(self, name, flags, env=None):
+            recipe = json.loads(json.dumps(self.recipe))
+            recipe["checkpoint"]["output_dir"] = str(self.tmp / name / "run")
+            path = self.tmp / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(recipe))
+            (self.tmp / "cli.py").write_text(KILLING_CLI)
+            full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+            return subprocess.run([sys.executable, str(self.tmp / "cli.py"), "train", str(path), "--no-progress",
+                                   *flags], check=False, env=full_env, capture_output=True, text=True, timeout=900)
+
+    recipe = medusa2_recipe(folder)
+    return Killed(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * recipe["training"]["grad_accumulation"] + 1,
+                  checkpoint_step=SAVE_EVERY)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from spine import built_killed_run
+
+    return built_killed_run(tmp_path_factory, "medusa2-kill-9", killed_runs)
+
+
+def test_train_and_resume_after_kill_9_restore_heads_and_adapters_exactly(runs):
+    from safetensors.torch import load_file
+
+    drafter = runs.straight / "drafter"
+    assert json.loads((drafter / "adapter" / "adapter_config.json").read_text())["r"] == 4  # peft's own format
+    weights = load_file(drafter / "model.safetensors")
+    assert any("lora_B" in n and weights[n].abs().sum() > 0 for n in weights)  # stage 2 moved the adapters
+    runs.check_resume("resumed")
+
+
+def test_the_heads_train_at_four_times_the_lr_and_the_schedule_spans_the_run(runs):
+    from spine import read_metrics
+
+    from specdraft.checkpoint import checkpoint_dirs
+
+    state = torch.load(checkpoint_dirs(runs.straight)[-1] / "scheduler.pt", weights_only=True)
+    assert sorted(set(state["base_lrs"])) == pytest.approx([1e-2, 4e-2])
+    logged = {m["step"]: m["train/heads_weight"] for m in read_metrics(runs.straight) if "train/heads_weight" in m}
+    # lambda_heads 0.2 x a linear sched over the run's 10 steps (TrainingContext.total_steps): logged step s
+    # ran with s - 1 steps done
+    assert [logged[s] for s in (1, 5, 10)] == pytest.approx([0.0, 0.2 * 0.4, 0.2 * 0.9], abs=1e-6)
+
+
+def test_the_merged_export_is_the_adapted_target_with_its_heads(runs, tmp_path):
+    out = export(runs.straight, "merged", tmp_path / "merged")
+    check_exported(out, runs.straight)
+    merged = FrozenTarget.from_pretrained(out, dtype="float32")
+    heads = load_drafter(out / "medusa_heads", merged)
+    assert heads.family == "medusa1"
+    adapted = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
+    medusa2 = load_drafter(runs.straight / "drafter", adapted).eval()
+    ids = torch.tensor([[1, 5, 9, 12, 40, 7, 3]])
+    a, b = adapted(ids), merged(ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-5)  # merge_and_unload: W + BA folded in
+    torch.testing.assert_close(heads.head_logits(b.final_hidden), medusa2.head_logits(a.final_hidden),
+                               rtol=1e-4, atol=1e-5)
+    original = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
+    assert not torch.allclose(original(ids).logits, a.logits)  # and it is not the original target
+    with pytest.raises(SpecdraftError, match="whole model.*check_exported"):
+        load_exported(out, merged)
+
+
+def test_a_merged_export_that_differs_from_the_adapted_target_fails_its_check(runs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = export(runs.straight, "merged", tmp_path / "merged")
+    heads = json.loads((out / "medusa_heads" / "config.json").read_text())
+    assert heads["target_config"]["_name_or_path"] == str(out.resolve())  # the folder, not the temporary one
+    tensors = load_file(out / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name].view(-1)[1] += 5.0  # an entry the heads' target fingerprint does not sample
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SpecdraftError, match="merged target's logits differ"):
+        check_exported(out, runs.straight)
+
+
+def test_drift_is_zero_before_training_and_reported_after(runs):
+    target = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
+    drafter = load_drafter(runs.straight / "drafter", target)
+    prompts = [torch.tensor([[1, 5, 9, 12, 40]]), torch.tensor([[1, 7, 3]])]
+    report = drift_report(target, drafter, prompts, max_new_tokens=16)
+    assert report["mean_kl_original_adapted"] > 0 and 0 <= report["greedy_agreement"] <= 1
+    fresh = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
+    untrained = MEDUSA2.build(fresh, Medusa2Config(num_heads=2))
+    report = drift_report(fresh, untrained, prompts, max_new_tokens=16)
+    assert report["greedy_agreement"] == 1.0 and report["mean_kl_original_adapted"] == pytest.approx(0, abs=1e-7)
+
+
+def test_the_end_of_training_eval_decodes_against_the_adapted_target_and_reports_its_drift(tmp_path, capsys):
+    """`specdraft train` with eval on: the saved heads and adapters are loaded back on the training target
+    and decode there (greedy output is the adapted target's own), and the drift report is written."""
+    from spine import make_chat_data, make_recipe
+    from tiny import save_tiny_target
+
+    from specdraft.config import parse_recipe
+    from specdraft.train import train
+
+    target = save_tiny_target(tmp_path / "target")
+    data = make_chat_data(tmp_path / "chat.jsonl", n=16)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 0, "category": "a", "turns": ["Tell me a story."]}) + "\n")
+    raw = make_recipe(tmp_path, target, data, drafter={"family": "medusa2", "num_heads": 2, "joint_from_step": 1,
+                                                       "lora_r": 4}, training={"max_steps": 3})
+    raw["eval"] = {"enabled": True, "prompts": str(questions), "num_prompts": 1, "k": 2, "temperatures": [0.0],
+                   "max_new_tokens": 12, "prompt_lookup_baseline": False}
+    run = train(parse_recipe(raw), show_progress=False)
+    result = json.loads((run / "eval" / "temperature-0" / "result.json").read_text())
+    assert result["greedy_identical"] == {"medusa2": 1.0}
+    drift = json.loads((run / "eval" / "family_report.json").read_text())["medusa2"]
+    assert drift["prompts"] == 1 and drift["tokens"] == 12 and drift["mean_kl_original_adapted"] >= 0
+    assert "medusa2 (medusa2): mean_kl_original_adapted" in capsys.readouterr().out
+
+
+def test_two_ddp_processes_train_through_the_stage_that_leaves_the_adapters_unused(tmp_path):
+    """Without find_unused_parameters (Family.unused_parameters), DDP's backward raises in stage 1."""
+    from spine import DDP_ENV, ddp_launcher, make_chat_data, run_cli, write_recipe
+    from tiny import save_tiny_target
+
+    save_tiny_target(tmp_path / "target")
+    make_chat_data(tmp_path / "chat.jsonl", n=32)
+    recipe = medusa2_recipe(tmp_path, max_steps=4)
+    path = write_recipe(tmp_path / "ddp.yaml", recipe)
+    out = run_cli(["train", str(path), "--no-progress"], env=DDP_ENV, launcher=ddp_launcher(2), timeout=600)
+    assert out.returncode == 0, out.stderr[-5000:]
+    from specdraft.checkpoint import checkpoint_dirs
+
+    state = json.loads((checkpoint_dirs(tmp_path / "run")[-1] / "trainer_state.json").read_text())
+    assert state["world_size"] == 2, "accelerate ran one process: the test would prove nothing"
+
+
+RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*medusa2.yaml"))
+
+
+def test_the_medusa2_recipes_exist_and_name_the_paper_settings():
+    assert {p.name for p in RECIPES} >= {"toy_medusa2.yaml", "smollm2-135m-medusa2.yaml"}
+    for path in RECIPES:
+        cfg = load_recipe(path).drafter
+        assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.heads_coefficient, cfg.head_lr_multiplier) == \
+            (32, 16, 0.05, 0.2, 4.0)
+        assert 0 < cfg.joint_from_step < load_recipe(path).training.max_steps  # both stages run
+
+
+def test_specdraft_eval_runs_a_medusa2_drafter_alone_and_refuses_it_beside_others(runs, tmp_path, capsys):
+    """Loading Medusa-2 puts its adapters into the target that every other method would then be verified by."""
+    from specdraft.cli import main
+    from specdraft.drafters.medusa import MEDUSA1, MedusaConfig
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 0, "category": "a", "turns": ["Tell me a story."]}) + "\n")
+    original = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
+    MEDUSA1.build(original, MedusaConfig(num_heads=2)).save_pretrained(tmp_path / "medusa1")
+    common = ["eval", "--target", str(runs.tmp / "target"), "--prompts", str(questions), "--max-new-tokens", "8",
+              "-k", "2", "--no-progress"]
+    assert main([*common, "--drafter", str(runs.straight / "drafter"), "--drafter", str(tmp_path / "medusa1")]) == 2
+    assert "evaluate it in a run of its own" in capsys.readouterr().err
+    assert main([*common, "--drafter", str(runs.straight / "drafter"), "--prompt-lookup",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert "drafter (medusa2): mean_kl_original_adapted" in capsys.readouterr().out
+    assert (tmp_path / "out" / "drafter" / "family_report.json").is_file()
