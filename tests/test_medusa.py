@@ -773,8 +773,10 @@ KILLING_CLI = textwrap.dedent("""
 KILL_STEPS, KILL_SAVE_EVERY, KILL_AT_STEP = 10, 4, 7
 
 
-def medusa_killed_runs(folder: Path):
-    from spine import KilledRun, make_recipe
+def killed_run_of(folder: Path, recipe: dict, kill_at_step: int, checkpoint_step: int):
+    """A KilledRun whose `specdraft train` kills itself through KILLING_CLI (Medusa-1's compute_loss, which
+    Medusa-2's calls once per micro-batch too)."""
+    from spine import KilledRun
 
     class KilledMedusaRun(KilledRun):
         def _train(self, name, flags, env=None):
@@ -787,14 +789,20 @@ def medusa_killed_runs(folder: Path):
             return subprocess.run([sys.executable, str(self.tmp / "cli.py"), "train", str(path), "--no-progress",
                                    *flags], check=False, env=full_env, capture_output=True, text=True, timeout=900)
 
+    accumulation = recipe["training"]["grad_accumulation"]
+    return KilledMedusaRun(folder, recipe, kill_at_call=(kill_at_step - 1) * accumulation + 1,
+                           checkpoint_step=checkpoint_step)
+
+
+def medusa_killed_runs(folder: Path):
+    from spine import make_recipe
+
     recipe = make_recipe(folder, folder / "target", folder / "chat.jsonl",
                          drafter={"family": "medusa1", "num_heads": 3, "warmup_ratio": 0.2},
                          optimizer={"lr": 1e-2, "warmup_steps": 0},
                          training={"max_steps": KILL_STEPS, "eval_every": 5},
                          checkpoint={"save_every": KILL_SAVE_EVERY})
-    accumulation = recipe["training"]["grad_accumulation"]
-    return KilledMedusaRun(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * accumulation + 1,
-                           checkpoint_step=KILL_SAVE_EVERY)
+    return killed_run_of(folder, recipe, KILL_AT_STEP, KILL_SAVE_EVERY)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,10 @@ heads' 4x lr, the merged export, the drift report of the end-of-training eval, a
 """
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from test_medusa import chat_batch, tiny_target
 
 from specdraft.config import load_recipe
@@ -86,26 +81,6 @@ def test_lr_multipliers_naming_no_parameter_are_refused():
 
 # -- real runs ------------------------------------------------------------------------------------------------
 
-# `specdraft train` with Medusa-2's compute_loss wrapped to SIGKILL its own process at the
-# PROBE_KILL_AT_CALL-th training micro-batch.
-KILLING_CLI = textwrap.dedent("""
-    import os, signal, sys
-    from specdraft.cli import main
-    from specdraft.drafters.medusa2 import Medusa2Drafter
-
-    real, calls = Medusa2Drafter.compute_loss, [0]
-
-    def compute_loss(self, batch, target_out):
-        if self.training:
-            calls[0] += 1
-            if calls[0] == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
-                os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, batch, target_out)
-
-    Medusa2Drafter.compute_loss = compute_loss
-    sys.exit(main())
-""")
-
 STEPS, SAVE_EVERY, JOINT_FROM, KILL_AT_STEP = 10, 4, 3, 7
 
 
@@ -120,22 +95,9 @@ def medusa2_recipe(folder: Path, **training) -> dict:
 
 
 def killed_runs(folder: Path):
-    from spine import KilledRun
+    from test_medusa import killed_run_of
 
-    class Killed(KilledRun):
-        def _train(self, name, flags, env=None):
-            recipe = json.loads(json.dumps(self.recipe))
-            recipe["checkpoint"]["output_dir"] = str(self.tmp / name / "run")
-            path = self.tmp / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(recipe))
-            (self.tmp / "cli.py").write_text(KILLING_CLI)
-            full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-            return subprocess.run([sys.executable, str(self.tmp / "cli.py"), "train", str(path), "--no-progress",
-                                   *flags], check=False, env=full_env, capture_output=True, text=True, timeout=900)
-
-    recipe = medusa2_recipe(folder)
-    return Killed(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * recipe["training"]["grad_accumulation"] + 1,
-                  checkpoint_step=SAVE_EVERY)
+    return killed_run_of(folder, medusa2_recipe(folder), KILL_AT_STEP, SAVE_EVERY)
 
 
 @pytest.fixture(scope="module")
