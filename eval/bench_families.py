@@ -40,6 +40,7 @@ from bench_eagle import K, eval_history, evaluate_at_temperatures, markdown_tabl
 
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, load_drafter
+from specdraft.evaluation.run import family_report
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.quickstart import RECIPES_DIR, write_jsonl
 from specdraft.target import FrozenTarget, resolve_target_path
@@ -213,7 +214,7 @@ def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) 
                 results[fmt] = "checked"
                 continue
             tokens, probs = first_draft_probs(load_exported(out, target).eval())
-        except Exception as e:  # a format the family has no exporter for, or a broken one: report, go on
+        except Exception as e:  # noqa: BLE001  a format the family has no exporter for, or a broken one: report, go on
             results[fmt] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             continue
         same = torch.equal(tokens, want_tokens) and (probs is None or torch.allclose(probs, want_probs))
@@ -243,6 +244,28 @@ def plot_tau_by_category(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def temperature_sections(results: dict) -> list[str]:
+    """Per temperature: the method table, verify costs, greedy identity and tau by category (Markdown lines)."""
+    lines = []
+    for temperature, result in results.items():
+        lines += [f"#### temperature {temperature:g}", "", markdown_table(result), ""]
+        lines += ["verify cost (a K+1-token forward / a plain step) and the speedup predicted with it: " + ", ".join(
+            f"{m} {s['overall']['verify_cost']:.2f} -> {s['overall']['predicted_speedup_measured_verify']:.2f}x"
+            for m, s in result["methods"].items() if s["overall"]["verify_cost"] is not None), ""]
+        if "greedy_identical" in result:
+            lines += ["greedy output identical to plain decoding: " + ", ".join(
+                f"{m} {v:.0%}" for m, v in result["greedy_identical"].items()), ""]
+        lines += [category_table(result), ""]
+    return lines
+
+
+def trains_adapters(drafter_dir: Path, target_config) -> bool:
+    """Whether the saved drafter's family puts adapters into its target (its declared TargetNeeds)."""
+    saved = json.loads((drafter_dir / "config.json").read_text())
+    family = FAMILIES[saved["family"]]
+    return family.needs(family.config_cls(**saved["config"]), target_config).trains_adapters
 
 
 def category_table(result: dict) -> str:
@@ -304,27 +327,36 @@ def main() -> None:
     if len(fits) < len(eval_prompts):
         print(f"leaving out {len(eval_prompts) - len(fits)} eval prompts longer than the target's context")
     eval_prompts = fits
-    drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
-    for family, drafter in drafters.items():
+    # A family that trains adapters inside the target (Medusa-2) changes the target it is loaded on: it
+    # gets a target of its own, and its own eval, whose plain decoding is that adapted target's.
+    adapting = {family for family, run in trained.items() if trains_adapters(Path(run["drafter"]), target.config)}
+    loaded = {}  # family -> (the target it decodes with, the drafter)
+    for family, run in trained.items():
+        own = FrozenTarget.from_pretrained(target_dir, dtype="float32") if family in adapting else target
+        loaded[family] = (own, load_drafter(run["drafter"], own).eval())
+    for family, (own, drafter) in loaded.items():
         trained[family]["trainable_parameters"] = sum(p.numel() for p in drafter.trained_module().parameters()
                                                         if p.requires_grad)
-        trained[family]["exports"] = export_round_trips(family, Path(trained[family]["drafter"]).parent, target,
+        trained[family]["exports"] = export_round_trips(family, Path(trained[family]["drafter"]).parent, own,
                                                         drafter, work)
-    results = evaluate_at_temperatures(target, drafters, eval_prompts, args.max_new_tokens, work / "eval")
+    shared = {family: drafter for family, (_, drafter) in loaded.items() if family not in adapting}
+    results = evaluate_at_temperatures(target, shared, eval_prompts, args.max_new_tokens, work / "eval")
     plot_tau_by_category(results, work / "tau_by_category.png")
+    adapted_results, reports = {}, {}
+    for family in sorted(adapting):
+        own, drafter = loaded[family]
+        adapted_results[family] = evaluate_at_temperatures(own, {family: drafter}, eval_prompts, args.max_new_tokens,
+                                                           work / "eval" / family)
+        reports[family] = family_report(family, own, drafter, eval_prompts, args.max_new_tokens, work / "eval" / family)
 
-    lines = [f"## Drafter families on {args.target} ({len(eval_prompts)} prompts from {source}, K={K}, "
-             f"max {args.max_new_tokens} new tokens, float32, {args.threads} thread(s))", "",
+    lines = [(f"## Drafter families on {args.target} ({len(eval_prompts)} prompts from {source}, K={K}, "
+              f"max {args.max_new_tokens} new tokens, float32, {args.threads} thread(s))"), "",
              f"`python {' '.join(sys.argv)}`", ""]
-    for temperature, result in results.items():
-        lines += [f"### temperature {temperature:g}", "", markdown_table(result), ""]
-        lines += ["verify cost (a K+1-token forward / a plain step) and the speedup predicted with it: " + ", ".join(
-            f"{m} {s['overall']['verify_cost']:.2f} -> {s['overall']['predicted_speedup_measured_verify']:.2f}x"
-            for m, s in result["methods"].items() if s["overall"]["verify_cost"] is not None), ""]
-        if "greedy_identical" in result:
-            lines += ["greedy output identical to plain decoding: " + ", ".join(
-                f"{m} {v:.0%}" for m, v in result["greedy_identical"].items()), ""]
-        lines += [category_table(result), ""]
+    lines += temperature_sections(results)
+    for family, family_results in adapted_results.items():
+        lines += [f"### {family}, with the target it adapted (speedups over that target's plain decoding)", "",
+                  f"its drift from the original target: {reports[family]}", ""]
+        lines += temperature_sections(family_results)
     lines += ["### training (same answers for every family)", "",
               f"answers: {answer_record}", "",
               "| family | steps | tokens seen | minutes | trainable params | peak RSS GiB | exports |",
@@ -337,8 +369,10 @@ def main() -> None:
                      f"{eval_history(Path(run['drafter']).parent)}" for family, run in trained.items()]
     markdown = "\n".join(lines)
     (work / "report.md").write_text(markdown + "\n")
-    (work / "results.json").write_text(json.dumps({"args": vars(args), "training": trained,
-                                                   "eval": {str(t): r for t, r in results.items()}}, indent=1))
+    (work / "results.json").write_text(json.dumps({
+        "args": vars(args), "training": trained, "eval": {str(t): r for t, r in results.items()},
+        "eval_with_adapted_target": {f: {str(t): r for t, r in res.items()} for f, res in adapted_results.items()},
+        "drift": reports}, indent=1))
     print("\n" + markdown)
     print(f"\nwrote {work / 'report.md'}, {work / 'results.json'}, {work / 'tau_by_category.png'}")
 

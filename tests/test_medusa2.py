@@ -200,21 +200,61 @@ def test_the_end_of_training_eval_decodes_against_the_adapted_target_and_reports
     assert "medusa2 (medusa2): mean_kl_original_adapted" in capsys.readouterr().out
 
 
-def test_two_ddp_processes_train_through_the_stage_that_leaves_the_adapters_unused(tmp_path):
-    """Without find_unused_parameters (Family.unused_parameters), DDP's backward raises in stage 1."""
-    from spine import DDP_ENV, ddp_launcher, make_chat_data, run_cli, write_recipe
+def two_process_run(tmp_path: Path, joint_from_step: int, launcher_env: tuple[list, dict]) -> tuple[dict, dict]:
+    """The drafter weights of one process with accumulation 4 and of two processes with accumulation 2, on
+    the same 24 training chats (3 steps an epoch either way, no padding), LoRA dropout off (it draws from
+    per-rank RNG streams)."""
+    from spine import drafter_weights, make_chat_data, run_cli, write_recipe
     from tiny import save_tiny_target
 
-    save_tiny_target(tmp_path / "target")
-    make_chat_data(tmp_path / "chat.jsonl", n=32)
-    recipe = medusa2_recipe(tmp_path, max_steps=4)
-    path = write_recipe(tmp_path / "ddp.yaml", recipe)
-    out = run_cli(["train", str(path), "--no-progress"], env=DDP_ENV, launcher=ddp_launcher(2), timeout=600)
-    assert out.returncode == 0, out.stderr[-5000:]
     from specdraft.checkpoint import checkpoint_dirs
 
-    state = json.loads((checkpoint_dirs(tmp_path / "run")[-1] / "trainer_state.json").read_text())
+    save_tiny_target(tmp_path / "target")
+    make_chat_data(tmp_path / "chat.jsonl", n=27)
+
+    def recipe(name, accumulation):
+        raw = medusa2_recipe(tmp_path, max_steps=4, grad_accumulation=accumulation)
+        raw["drafter"].update(lora_dropout=0.0, joint_from_step=joint_from_step)
+        raw["checkpoint"]["output_dir"] = str(tmp_path / name / "run")
+        return write_recipe(tmp_path / f"{name}.yaml", raw)
+
+    single = run_cli(["train", str(recipe("single", 4)), "--no-progress"])
+    assert single.returncode == 0, single.stderr[-5000:]
+    launcher, env = launcher_env
+    two = run_cli(["train", str(recipe("two", 2)), "--no-progress"], env=env, launcher=launcher, timeout=900)
+    assert two.returncode == 0, two.stderr[-5000:]
+    state = json.loads((checkpoint_dirs(tmp_path / "two" / "run")[-1] / "trainer_state.json").read_text())
     assert state["world_size"] == 2, "accelerate ran one process: the test would prove nothing"
+    weights = drafter_weights(tmp_path / "two" / "run")
+    assert any("lora_B" in n and w.abs().sum() > 0 for n, w in weights.items())  # stage 2 ran
+    return weights, drafter_weights(tmp_path / "single" / "run")
+
+
+def test_two_ddp_processes_train_both_stages_as_one_process_does(tmp_path):
+    """Stage 1 leaves the adapters without a gradient: without find_unused_parameters
+    (Family.unused_parameters) DDP's backward raises; with it, the weights are one process's."""
+    from spine import DDP_ENV, assert_same_weights, ddp_launcher
+
+    two, single = two_process_run(tmp_path, joint_from_step=2, launcher_env=(ddp_launcher(2), DDP_ENV))
+    # LoRA's B starts at 0, so the first joint steps' gradients are tiny, and Adam divides each by its own
+    # scale: the all-reduce's rounding comes out larger than spine's 1e-5 allows (1.1e-5 of lora_A's scale,
+    # measured). A real difference is far larger: DeepSpeed's extra Adam steps in stage 1 (the ZeRO-2
+    # test's docstring) move lora_A by 3.7e-2 of its scale.
+    assert_same_weights(two, single, rel=1e-4)
+
+
+def test_zero2_on_two_processes_trains_the_weights_of_one_process(tmp_path):
+    """ZeRO-2 through the shipped accelerate config: heads, adapters and the heads' 4x lr, joint from the
+    first step. (With a stage 1, DeepSpeed steps the adapters' Adam moments on zero gradients, where
+    torch's AdamW skips a parameter without one: the adapters do not move in stage 1 either way, with
+    weight decay 0, but their bias correction in stage 2 differs from one process's.)"""
+    from spine import assert_same_weights
+    from test_deepspeed import DS_ENV, deepspeed_launcher, launcher_config
+
+    (tmp_path / "launch").mkdir()
+    launcher = deepspeed_launcher(launcher_config(tmp_path / "launch", 2))
+    two, single = two_process_run(tmp_path, joint_from_step=0, launcher_env=(launcher, DS_ENV))
+    assert_same_weights(two, single)
 
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*medusa2.yaml"))
