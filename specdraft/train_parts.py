@@ -49,13 +49,9 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, is_main: bool)
         shutil.rmtree(run_dir)
 
 
-# -- DeepSpeed (begin) --------------------------------------------------------------------------
-# `accelerate launch --config_file recipes/accelerate/deepspeed_zero{2,3}.yaml` sets
-# ACCELERATE_USE_DEEPSPEED; the loop is then unchanged: accelerator.backward runs the engine's
-# backward and step, and optimizer.step/zero_grad become no-ops.
 def ddp_arguments(family) -> dict:
     """Extra ``Accelerator`` arguments for DDP: a family whose steps leave parameters without a gradient
-    (``Family.unused_parameters``) needs DDP to look for them, or its backward waits forever."""
+    (``Family.unused_parameters``) needs DDP to look for them, or DDP raises at the next step (its reduction never finished)."""
     if not family.unused_parameters:
         return {}
     from accelerate.utils import DistributedDataParallelKwargs
@@ -63,6 +59,10 @@ def ddp_arguments(family) -> dict:
     return {"kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True)]}
 
 
+# -- DeepSpeed (begin) --------------------------------------------------------------------------
+# `accelerate launch --config_file recipes/accelerate/deepspeed_zero{2,3}.yaml` sets
+# ACCELERATE_USE_DEEPSPEED; the loop is then unchanged: accelerator.backward runs the engine's
+# backward and step, and optimizer.step/zero_grad become no-ops.
 def deepspeed_arguments(tcfg) -> dict:
     """Extra ``Accelerator`` arguments when launched for DeepSpeed, else none."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
