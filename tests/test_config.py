@@ -5,7 +5,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdraft.config import DataConfig, apply_overrides, load_recipe, parse_dataclass, parse_recipe
+from specdraft.config import (
+    DataConfig,
+    apply_overrides,
+    load_recipe,
+    parse_dataclass,
+    parse_recipe,
+)
 from specdraft.errors import SpecdraftError
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
@@ -117,6 +123,20 @@ def target_config_for(path):
         return AutoConfig.from_pretrained(toy_target_path())
     model_type, dims = REAL_TARGETS[path]
     return AutoConfig.for_model(model_type, **dims)
+
+
+def recipe_on_meta(path, family: str):
+    """A shipped recipe of ``family``, checked to survive a YAML round trip, and a meta-device target of its
+    real dimensions computing what the recipe needs: (recipe, target config, target)."""
+    from specdraft.config import parse_recipe
+    from specdraft.target import FrozenTarget
+    from specdraft.train import recipe_needs
+
+    recipe = load_recipe(path)
+    assert recipe.drafter_family == family
+    assert parse_recipe(yaml.safe_load(yaml.safe_dump(recipe.to_dict()))).to_dict() == recipe.to_dict()
+    config = target_config_for(recipe.target.path)
+    return recipe, config, FrozenTarget.from_config(config, needs=recipe_needs(recipe, config), device="meta")
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

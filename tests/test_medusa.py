@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tiny import assert_close, seeded_init_
 from transformers import AutoConfig, LlamaConfig
 
-from specdraft.config import load_recipe, parse_recipe
+from specdraft.config import parse_recipe
 from specdraft.contract import Drafter, TargetNeeds, TargetOutputs, TrainingContext
 from specdraft.data.vocab import DraftVocab
 from specdraft.decoding.sampling import SamplingParams, logits_to_probs
@@ -728,15 +728,9 @@ def test_the_medusa_recipes_exist():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_each_recipe_builds_its_heads_on_meta_with_real_dims(path):
-    from test_config import target_config_for
+    from test_config import recipe_on_meta
 
-    from specdraft.train import recipe_needs
-
-    recipe = load_recipe(path)
-    assert recipe.drafter_family == "medusa1"
-    assert parse_recipe(yaml.safe_load(yaml.safe_dump(recipe.to_dict()))).to_dict() == recipe.to_dict()
-    config = target_config_for(recipe.target.path)
-    target = FrozenTarget.from_config(config, needs=recipe_needs(recipe, config), device="meta")
+    recipe, config, target = recipe_on_meta(path, "medusa1")
     cfg = recipe.drafter
     vocab = None
     if cfg.reduces_vocab(config.vocab_size):

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from safetensors.torch import load_file, save_file
 from tiny import assert_close, seeded_init_
 from transformers import LlamaConfig
@@ -626,15 +625,9 @@ def test_the_recipes_are_shipped_under_the_bench_naming():
 
 @pytest.mark.parametrize("path", MLP_RECIPES, ids=lambda p: p.name)
 def test_every_recipe_builds_at_real_dimensions(path):
-    from test_config import target_config_for
+    from test_config import recipe_on_meta
 
-    from specdraft.train import recipe_needs
-
-    recipe = load_recipe(path)
-    assert recipe.drafter_family == "mlp_speculator"
-    assert parse_recipe(yaml.safe_load(yaml.safe_dump(recipe.to_dict()))).to_dict() == recipe.to_dict()
-    config = target_config_for(recipe.target.path)
-    target = FrozenTarget.from_config(config, needs=recipe_needs(recipe, config), device="meta")
+    recipe, config, target = recipe_on_meta(path, "mlp_speculator")
     drafter = get_family("mlp_speculator").build(target, recipe.drafter, None)
     count = sum(p.numel() for p in drafter.trained_module().parameters())
     assert count == expected_parameters(recipe.drafter, config.hidden_size, config.vocab_size)

@@ -491,16 +491,23 @@ def to_fasterdecoding(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[
     return config, out
 
 
-def from_fasterdecoding(saved: dict, tensors: dict) -> dict:
+def _own_heads(saved: dict, tensors: dict, resblock, lm_head) -> dict:
+    """An engine's head tensors under specdraft's names: ``resblock(h, layer)`` names a ResBlock Linear
+    (its .weight and .bias) and ``lm_head(h)`` a head's LM-head weight in the engine's layout."""
     K, L, _, _, _ = _dims(saved)
     out = {}
     for h in range(K):
         for layer in range(L):
-            out[f"heads.{h}.resblocks.{layer}.linear.weight"] = tensors[f"{h}.{layer}.linear.weight"]
+            out[f"heads.{h}.resblocks.{layer}.linear.weight"] = tensors[f"{resblock(h, layer)}.weight"]
             if saved["config"]["resblock_bias"]:
-                out[f"heads.{h}.resblocks.{layer}.linear.bias"] = tensors[f"{h}.{layer}.linear.bias"]
-        out[f"heads.{h}.lm_head.weight"] = tensors[f"{h}.{L}.weight"]
+                out[f"heads.{h}.resblocks.{layer}.linear.bias"] = tensors[f"{resblock(h, layer)}.bias"]
+        out[f"heads.{h}.lm_head.weight"] = tensors[lm_head(h)]
     return out
+
+
+def from_fasterdecoding(saved: dict, tensors: dict) -> dict:
+    _, L, _, _, _ = _dims(saved)
+    return _own_heads(saved, tensors, lambda h, layer: f"{h}.{layer}.linear", lambda h: f"{h}.{L}.weight")
 
 
 def to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
@@ -557,19 +564,13 @@ def to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict
 
 
 def from_vllm(saved: dict, tensors: dict) -> dict:
-    K, L, _, V, N = _dims(saved)
+    _, _, _, V, N = _dims(saved)
     if N < V and "token_map" not in tensors:
         raise SpecdraftError(
             f"this vLLM Medusa export has truncated_vocab_size {N} < vocab_size {V} and no token_map, which vLLM "
             "refuses: export it again"
         )
-    out = {}
-    for h in range(K):
-        for layer in range(L):
-            out[f"heads.{h}.resblocks.{layer}.linear.weight"] = tensors[f"blocks.{h}.layers.{layer}.weight"]
-            if saved["config"]["resblock_bias"]:
-                out[f"heads.{h}.resblocks.{layer}.linear.bias"] = tensors[f"blocks.{h}.layers.{layer}.bias"]
-        out[f"heads.{h}.lm_head.weight"] = tensors[f"lm_heads.{h}.weight"]
+    out = _own_heads(saved, tensors, lambda h, layer: f"blocks.{h}.layers.{layer}", lambda h: f"lm_heads.{h}.weight")
     if N < V:
         vocab = DraftVocab.from_target_ids(tensors["token_map"], V)
         out.update(d2t=vocab.d2t, t2d=vocab.t2d)
