@@ -162,6 +162,24 @@ def recipe_for(prefix: str, family: str) -> Path | None:
     return next((path for path in found if path.is_file()), None)
 
 
+def overrides_for(family: str, overrides: list[str]) -> list[str]:
+    """The overrides for every family, plus those spelled FAMILY:KEY=VALUE for this one (prefix dropped).
+
+    Stage switches are per family: a shorter budget moves Medusa-2's joint_from_step and the MLP
+    speculator's stage2_start_step, keys the other families' configs refuse."""
+    kept = []
+    for override in overrides:
+        owner, sep, rest = override.partition(":")
+        if sep and "=" not in owner:  # FAMILY:KEY=VALUE (a value may hold ':', a family name never holds '=')
+            if owner not in FAMILIES:
+                sys.exit(f"--set {override}: {owner!r} is not a family; known: {', '.join(FAMILIES)}")
+            if owner == family:
+                kept.append(rest)
+        else:
+            kept.append(override)
+    return kept
+
+
 def train_all(families, recipe_prefix: str, overrides: list[str], work: Path, jobs: int, data: list[Path]) -> dict:
     """Each family in a fresh 1-thread process (max_tasks_per_child=1), `jobs` at a time."""
     data_digest = digest([hashlib.sha256(path.read_bytes()).hexdigest() for path in data])
@@ -174,7 +192,8 @@ def train_all(families, recipe_prefix: str, overrides: list[str], work: Path, jo
             if recipe is None:
                 sys.exit(f"no recipe {recipe} for family {family}: add one (see recipes/{recipe_prefix}-eagle3.yaml)")
             futures[family] = pool.submit(train_family, family, recipe,
-                                          overrides + [f"checkpoint.output_dir={run_dir}"], run_dir, data_digest)
+                                          overrides_for(family, overrides) + [f"checkpoint.output_dir={run_dir}"],
+                                          run_dir, data_digest)
         print(f"training {', '.join(families)}, {jobs} at a time, one thread each (no progress bars; minutes)")
         try:
             return {family: future.result() for family, future in futures.items()}
@@ -299,7 +318,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=3, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=None, help="every family's step budget (default: its recipe's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe override for every family (repeatable), e.g. training.eval_every=25")
+                        help="a recipe override for every family (repeatable), e.g. training.eval_every=25, "
+                             "or for one: medusa2:drafter.joint_from_step=75")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the answers and the eval")

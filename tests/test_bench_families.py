@@ -1,0 +1,24 @@
+"""eval/bench_families.py's per-family recipe overrides (the benchmark's own logic, not its figures)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+from bench_families import overrides_for
+
+
+def test_a_family_prefixed_override_reaches_that_family_alone():
+    given = ["training.max_steps=250", "medusa2:drafter.joint_from_step=75",
+             "mlp_speculator:drafter.stage2_start_step=175", "data.path=/a:b/answers.jsonl"]
+    assert overrides_for("medusa2", given) == ["training.max_steps=250", "drafter.joint_from_step=75",
+                                               "data.path=/a:b/answers.jsonl"]
+    assert overrides_for("mlp_speculator", given) == ["training.max_steps=250", "drafter.stage2_start_step=175",
+                                                      "data.path=/a:b/answers.jsonl"]
+    assert overrides_for("eagle3", given) == ["training.max_steps=250", "data.path=/a:b/answers.jsonl"]
+
+
+def test_an_unknown_family_prefix_is_refused_with_the_known_ones():
+    with pytest.raises(SystemExit, match="'medusa3' is not a family; known: .*medusa2"):
+        overrides_for("eagle3", ["medusa3:drafter.joint_from_step=75"])
