@@ -50,7 +50,10 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, mask: t
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) = sum_x P(x) (log P(x) - log Q(x)) per position, with 0 log 0 = 0."""
     p = log_p.exp()
-    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    # The difference is masked *before* the product: where P = Q = 0 it is (-inf) - (-inf) = NaN, and
+    # a product with it would send NaN back to P even from a branch torch.where leaves out.
+    log_ratio = torch.where(p > 0, log_p - log_q, torch.zeros_like(p))
+    return (p * log_ratio).sum(-1)
 
 
 def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -73,17 +76,23 @@ def generalized_jsd(draft_logits: torch.Tensor, target_logits: torch.Tensor, mas
 
         JSD(beta)(P || Q) = beta KL(P || M) + (1 - beta) KL(Q || M),   M = beta P + (1 - beta) Q
 
-    beta = 0.5 is the Jensen-Shannon divergence (<= log 2). For any beta it is at most the
+    beta = 0.5 is the Jensen-Shannon divergence (<= log 2). For 0 < beta < 1 it is at most the
     entropy of (beta, 1 - beta), hence <= log 2. As beta -> 0, JSD(beta) / beta -> KL(P || Q)
-    (forward KL), and as beta -> 1, JSD(beta) / (1 - beta) -> KL(Q || P) (reverse KL); at exactly
-    0 or 1 it is 0. DistillSpec uses it as "JSD[beta]".
+    (forward KL), and as beta -> 1, JSD(beta) / (1 - beta) -> KL(Q || P) (reverse KL). The formula
+    itself is 0 at both ends, so, as TRL's ``GKDTrainer`` does, beta = 0 *is* forward KL and
+    beta = 1 *is* reverse KL (P the teacher, Q the student). DistillSpec uses it as "JSD[beta]".
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return forward_kl(draft_logits, target_logits, mask)
+    if beta == 1.0:
+        return reverse_kl(draft_logits, target_logits, mask)
     log_p, log_q = F.log_softmax(target_logits.float(), -1), F.log_softmax(draft_logits.float(), -1)
     # log M by logsumexp of the weighted logs: no underflow where P and Q are tiny
     weights = torch.tensor([beta, 1.0 - beta], device=log_p.device).log().view(2, *[1] * log_p.dim())
-    log_m = torch.logsumexp(torch.stack([log_p, log_q]) + weights, dim=0)
+    # (floored at -1e30 first: where P = Q = 0 a logsumexp of -infs has a NaN gradient; exp(-1e30) is 0 too)
+    log_m = torch.logsumexp(torch.stack([log_p, log_q]).clamp_min(-1e30) + weights, dim=0)
     per_position = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
     return masked_mean(per_position, mask)
 
@@ -99,3 +108,33 @@ def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor, mas
 def binary_entropy(beta: float) -> float:
     """H(beta) = -beta log beta - (1 - beta) log(1 - beta): the bound of JSD(beta), at most log 2."""
     return -sum(w * math.log(w) for w in (beta, 1.0 - beta) if w > 0)
+
+
+def acceptance_rate(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(P(x), Q(x)) = 1 - TVD(P, Q): the probability that speculative sampling accepts
+    a draft drawn from Q (Leviathan et al. 2023, Cor. 3.6; DistillSpec Eq. 2). A training metric, so
+    a divergence's curve reads directly as predicted acceptance."""
+    p, q = F.softmax(target_logits.float(), -1), F.softmax(draft_logits.float(), -1)
+    return masked_mean(torch.minimum(p, q).sum(-1), mask)
+
+
+def distillation_view(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
+                      top_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both logits as a divergence should compare them: divided by the same ``temperature`` (the
+    decoding temperature the drafter is distilled for: DistillSpec Sec. 5.2 matches them), and
+    with ``top_k``, only the target's k most likely tokens, both sides renormalised over them (the
+    mass a sampler with top-k would ever see). Returns float32 logits, ``[..., V]`` or ``[..., k]``."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    draft, target = draft_logits.float() / temperature, target_logits.float() / temperature
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (or None for the whole vocabulary), got {top_k}")
+        if top_k < target.shape[-1]:
+            keep = target.topk(top_k, dim=-1).indices
+            draft, target = draft.gather(-1, keep), target.gather(-1, keep)
+    return draft, target
+
+
+# DistillSpec's four divergences by their recipe names (drafter.divergence), each (draft, target, mask[, beta]).
+DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": generalized_jsd, "tvd": total_variation}

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.losses import (
+    acceptance_rate,
     binary_entropy,
+    distillation_view,
     forward_kl,
     generalized_jsd,
     masked_mean,
@@ -162,8 +164,9 @@ def test_jsd_beta_limits_are_forward_and_reverse_kl():
         low = generalized_jsd(draft, target, mask, eps).item() / eps
         high = generalized_jsd(draft, target, mask, 1 - eps).item() / eps
         assert low == pytest.approx(fkl, rel=20 * eps) and high == pytest.approx(rkl, rel=20 * eps)
-    assert generalized_jsd(draft, target, mask, 0.0).item() == 0.0
-    assert generalized_jsd(draft, target, mask, 1.0).item() == 0.0
+    # At the ends the formula is 0; TRL's convention (and ours): beta = 0 is forward KL, beta = 1 reverse KL.
+    assert generalized_jsd(draft, target, mask, 0.0).item() == fkl
+    assert generalized_jsd(draft, target, mask, 1.0).item() == rkl
     # Swapping P and Q swaps beta and 1 - beta.
     assert generalized_jsd(draft, target, mask, 0.3).item() == pytest.approx(
         generalized_jsd(target, draft, mask, 0.7).item(), rel=1e-5)
@@ -203,3 +206,51 @@ def test_divergences_are_finite_with_masked_out_vocabulary_entries():
         value.backward()
         assert torch.isfinite(value) and torch.isfinite(draft.grad).all(), name
         draft.grad = None
+
+
+def test_acceptance_rate_is_the_sum_of_minima_by_hand():
+    draft, target = logits_pair(seed=10)
+    mask = torch.tensor([[1, 1, 0, 1, 0]] * 3, dtype=torch.bool)
+    by_hand = torch.minimum(probs64(target), probs64(draft)).sum(-1)[mask].mean()
+    assert acceptance_rate(draft, target, mask).item() == pytest.approx(by_hand.item(), rel=1e-5)
+
+
+def test_distillation_view_applies_one_temperature_to_both_and_keeps_the_targets_top_k():
+    draft, target = logits_pair(seed=11)
+    warm_d, warm_t = distillation_view(draft, target, temperature=2.0)
+    assert torch.equal(warm_d, draft / 2.0) and torch.equal(warm_t, target / 2.0)
+    top_d, top_t = distillation_view(draft, target, temperature=0.5, top_k=3)
+    assert top_d.shape == (*draft.shape[:-1], 3)
+    # By hand, at one position: the target's three largest logits, and the draft's logits at those ids.
+    ids = sorted(range(11), key=lambda i: -target[1, 2, i].item())[:3]
+    assert sorted(top_t[1, 2].tolist()) == pytest.approx(sorted((target[1, 2, ids] / 0.5).tolist()))
+    assert sorted(top_d[1, 2].tolist()) == pytest.approx(sorted((draft[1, 2, ids] / 0.5).tolist()))
+    # Over its top-k the divergence compares renormalised distributions: P_k(x) = P(x) / P(top-k).
+    p_k = probs64(target[1, 2, ids])
+    q_k = probs64(draft[1, 2, ids])
+    one = torch.zeros(draft.shape[:-1], dtype=torch.bool)
+    one[1, 2] = True
+    fkl = forward_kl(*distillation_view(draft, target, top_k=3), one)
+    assert fkl.item() == pytest.approx(kl_by_hand(p_k, q_k).item(), rel=1e-5)
+    assert distillation_view(draft, target, top_k=50)[1].shape[-1] == 11  # k >= V: the whole vocabulary
+    with pytest.raises(ValueError, match="temperature"):
+        distillation_view(draft, target, temperature=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        distillation_view(draft, target, top_k=0)
+
+
+@pytest.mark.parametrize("name", sorted(DIVERGENCES))
+def test_gradients_are_finite_where_p_or_q_is_exactly_zero(name):
+    """Zero probabilities from -inf logits (a top-k or vocabulary mask): on both sides at once, and on
+    one side wherever the divergence stays finite there (KL(P || Q) is infinite where Q = 0 < P)."""
+    draft, target = logits_pair(seed=12)
+    target[..., 9:] = draft[..., 9:] = float("-inf")  # P = Q = 0
+    if name != "reverse_kl":
+        target[..., :2] = float("-inf")  # P = 0 < Q
+    if name != "forward_kl":
+        draft[..., 2:4] = float("-inf")  # Q = 0 < P
+    draft.requires_grad_()
+    value = DIVERGENCES[name](draft, target, everywhere(draft))
+    value.backward()
+    assert torch.isfinite(value) and torch.isfinite(draft.grad).all()
+    assert draft.grad.abs().sum() > 0

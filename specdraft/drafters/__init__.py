@@ -16,6 +16,7 @@ from ..errors import SpecdraftError
 
 FAMILIES: dict[str, Family] = {}
 
+from .distillspec import DISTILLSPEC  # noqa: E402
 from .eagle1 import EAGLE1  # noqa: E402
 from .eagle3 import EAGLE3  # noqa: E402
 from .medusa import MEDUSA1  # noqa: E402
@@ -27,6 +28,7 @@ FAMILIES[EAGLE3.name] = EAGLE3
 FAMILIES[MEDUSA1.name] = MEDUSA1
 FAMILIES[MEDUSA2.name] = MEDUSA2
 FAMILIES[MLP_SPECULATOR.name] = MLP_SPECULATOR
+FAMILIES[DISTILLSPEC.name] = DISTILLSPEC
 
 
 def get_family(name: str) -> Family:

@@ -1,0 +1,277 @@
+"""DistillSpec: a small draft LM distilled from the target with FKL, RKL, JSD(beta) or TVD, on fixed or
+on-policy data. Unit tests on a 2-layer Llama; then real `specdraft train` runs (killed with kill -9
+and resumed), the export, and `specdraft eval --draft-model` on the same folder."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_medusa import chat_batch, tiny_target
+
+from specdraft.contract import TrainingContext
+from specdraft.decoding.sampling import SamplingParams
+from specdraft.decoding.speculative import speculative_decode
+from specdraft.drafters import load_drafter
+from specdraft.drafters.distillspec import DISTILLSPEC, DistillSpecConfig
+from specdraft.errors import SpecdraftError
+from specdraft.losses import DIVERGENCES
+from specdraft.target import FrozenTarget
+
+
+def student_of(target, **cfg):
+    return DISTILLSPEC.build(target, DistillSpecConfig(num_layers=1, **cfg))
+
+
+def test_truncate_copies_the_targets_embeddings_first_layers_norm_and_head():
+    target = tiny_target()
+    student = student_of(target).student
+    own = target.model.state_dict()
+    assert student.config.num_hidden_layers == 1
+    for name, tensor in student.state_dict().items():
+        assert torch.equal(tensor, own[name]), name
+    assert "model.layers.1.self_attn.q_proj.weight" in own and len(student.state_dict()) < len(own)
+
+
+def test_config_init_is_a_fresh_model_of_the_targets_shape_and_a_wider_one_warns():
+    target = tiny_target()
+    student = student_of(target, init="config").student
+    assert not torch.equal(student.model.embed_tokens.weight, target.model.model.embed_tokens.weight)
+    with pytest.warns(UserWarning, match="wider than the target.*c > 1"):
+        student_of(target, init="config", hidden_size=128, intermediate_size=256)
+
+
+@pytest.mark.parametrize("divergence", sorted(DIVERGENCES))
+def test_the_loss_is_the_divergence_of_the_two_models_at_the_answer_positions(divergence):
+    """By brute force: both full models' logits, the positions predicting an answer token, temperature
+    2 and the target's top 7, then the divergence's formula."""
+    target = tiny_target()
+    drafter = student_of(target, divergence=divergence, beta=0.3, temperature=2.0, top_k=7)
+    batch = chat_batch()
+    example = drafter.prepare(batch, TrainingContext(target))
+    out = drafter.compute_loss(example.batch, example.target)
+
+    counted = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
+    p_logits = target.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][counted]
+    q_logits = drafter.student(batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][counted]
+    keep = p_logits.topk(7, dim=-1).indices
+    p = torch.softmax(p_logits.double().gather(-1, keep) / 2.0, -1)
+    q = torch.softmax(q_logits.double().gather(-1, keep) / 2.0, -1)
+    kl = lambda a, b: (a * (a / b).log()).sum(-1)
+    m = 0.3 * p + 0.7 * q
+    expected = {"fkl": kl(p, q), "rkl": kl(q, p), "jsd": 0.3 * kl(p, m) + 0.7 * kl(q, m),
+                "tvd": 0.5 * (p - q).abs().sum(-1)}[divergence].mean()
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-4)
+    # alpha is logged at T = 1 over the whole vocabulary: what the decoder's T = 1 verify accepts at
+    alpha = torch.minimum(torch.softmax(p_logits.double(), -1), torch.softmax(q_logits.double(), -1)).sum(-1).mean()
+    assert out.metrics["alpha"].item() == pytest.approx(alpha.item(), rel=1e-4)
+    out.loss.backward()
+    grads = [p.grad for p in drafter.trained_module().parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert all(p.grad is None for p in target.model.parameters())
+
+
+def test_on_policy_samples_are_the_prompt_and_the_students_continuation_with_the_loss_on_it():
+    target = tiny_target()
+    drafter = student_of(target, on_policy_fraction=1.0, generation_max_new_tokens=6)
+    batch = chat_batch()
+    torch.manual_seed(0)
+    example = drafter.prepare(batch, TrainingContext(target))
+    torch.manual_seed(0)
+    again = drafter.prepare(batch, TrainingContext(target))
+    assert torch.equal(example.batch["input_ids"], again.batch["input_ids"])  # the global RNG decides it all
+    for row, prompt_length in ((0, 5), (1, 3)):
+        ids, mask = example.batch["input_ids"][row], example.batch["loss_mask"][row]
+        length = int(example.batch["attention_mask"][row].sum())
+        assert torch.equal(ids[:prompt_length], batch["input_ids"][row, :prompt_length])  # the prompt is kept
+        assert mask[:prompt_length].sum() == 0 and mask[prompt_length:length].all() and mask[length:].sum() == 0
+        assert 1 <= length - prompt_length <= 6
+    # the student wrote them: with its sampler off (greedy), they are its own argmax continuation
+    student = drafter.student
+    prompt = batch["input_ids"][:1, :5]
+    greedy = student.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=6,
+                              pad_token_id=0)
+    assert greedy.shape[1] == 11  # (a sanity check of the call: sampled ones differ, so only the shape)
+    assert example.target.logits.shape[:2] == example.batch["input_ids"].shape  # the target scored them
+    # at lambda = 0 nothing is generated, and the held-out batches are never regenerated
+    fixed = student_of(target)
+    assert torch.equal(fixed.prepare(batch, TrainingContext(target)).batch["input_ids"], batch["input_ids"])
+    assert torch.equal(drafter.prepare(batch, TrainingContext(target, training=False)).batch["input_ids"],
+                       batch["input_ids"])
+
+
+def test_bad_settings_are_refused_with_what_to_do():
+    with pytest.raises(SpecdraftError, match=r"beta must be in \[0, 1\]"):
+        DistillSpecConfig(divergence="jsd", beta=1.5)
+    with pytest.raises(SpecdraftError, match=r"on_policy_fraction.*must be in \[0, 1\]"):
+        DistillSpecConfig(on_policy_fraction=-0.1)
+    with pytest.raises(SpecdraftError, match="divergence must be one of fkl, rkl, jsd, tvd"):
+        DistillSpecConfig(divergence="kl")
+    target = tiny_target()  # context 256
+    with pytest.raises(SpecdraftError, match="does not fit the target's context"):
+        student_of(target, on_policy_fraction=0.5, generation_max_new_tokens=256)
+    drafter = student_of(target, on_policy_fraction=1.0, generation_max_new_tokens=252)
+    with pytest.raises(SpecdraftError, match="252 tokens after a 5-token prompt exceeds the target's context"):
+        drafter.prepare(chat_batch(), TrainingContext(target))  # 252 alone fits; after the 5-token prompt, not
+    with pytest.raises(SpecdraftError, match="truncate copies the target's first"):
+        DISTILLSPEC.build(target, DistillSpecConfig(num_layers=3))
+
+
+def test_a_pretrained_student_with_another_vocabulary_or_tokenizer_is_refused(tmp_path):
+    from tiny import save_tiny_target, tiny_tokenizer
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    other = save_tiny_target(tmp_path / "other", vocab_size=280)
+    with pytest.raises(SpecdraftError, match="vocabulary.*must use the target's tokenizer"):
+        DISTILLSPEC.build(target, DistillSpecConfig(init="pretrained", student_path=str(other)))
+    # same size, other tokens: a tokenizer trained on a reversed corpus
+    same_size = tmp_path / "same_size"
+    save_tiny_target(same_size)
+    reversed_tokens = {token: len(target.tokenizer) - 1 - i for token, i in target.tokenizer.get_vocab().items()}
+    assert reversed_tokens != target.tokenizer.get_vocab()
+    tokenizer_json = json.loads((same_size / "tokenizer.json").read_text())
+    tokenizer_json["model"]["vocab"] = {t: i for t, i in reversed_tokens.items() if t in tokenizer_json["model"]["vocab"]}
+    tokenizer_json["added_tokens"] = []
+    (same_size / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    assert tiny_tokenizer  # (the same builder made both folders)
+    with pytest.raises(SpecdraftError, match="different tokenizer from the target"):
+        DISTILLSPEC.build(target, DistillSpecConfig(init="pretrained", student_path=str(same_size)))
+    good = DISTILLSPEC.build(target, DistillSpecConfig(init="pretrained", student_path=str(target_dir)))
+    assert good.student.config.num_hidden_layers == 2  # the folder's own model, as it is
+
+
+def test_the_logged_alpha_is_the_acceptance_the_decoder_measures():
+    """The alpha training logs (``compute_loss``'s metric) on the decoder's own T = 1 outputs, against the
+    decoder's measured acceptance of one draft per step: over >= 1,000 drafts, means within 0.02."""
+    target = tiny_target(std=0.1)  # flatter than the default: alpha well inside (0, 1)
+    drafter = student_of(target).eval()
+    generator = torch.Generator().manual_seed(0)
+    drafted = accepted = 0
+    logged, positions = 0.0, 0
+    for seed in range(12):
+        prompt = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(seed))
+        out = speculative_decode(target, drafter.draft_source(target), prompt, k=1,
+                                 params=SamplingParams(temperature=1.0), max_new_tokens=200, generator=generator)
+        drafted += sum(s.num_drafted for s in out.steps)
+        accepted += sum(s.num_accepted for s in out.steps)
+        ids = torch.cat([prompt, torch.tensor([out.tokens])], dim=1)
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[:, prompt.shape[1]:] = 1
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+        with torch.no_grad():
+            example = drafter.prepare(batch, TrainingContext(target, training=False))
+            alpha = drafter.compute_loss(example.batch, example.target).metrics["alpha"].item()
+        logged += alpha * len(out.tokens)
+        positions += len(out.tokens)
+    assert drafted >= 1000
+    measured, logged = accepted / drafted, logged / positions
+    assert 0.2 < measured < 0.9  # a test of agreement, not of two saturated rates
+    assert abs(measured - logged) < 0.02, (measured, logged)
+
+
+# -- real runs --------------------------------------------------------------------------------------
+
+KILLING_CLI = textwrap.dedent("""
+    import os, signal, sys
+    from specdraft.cli import main
+    from specdraft.drafters.distillspec import DistillSpecDrafter
+
+    real, calls = DistillSpecDrafter.compute_loss, [0]
+
+    def compute_loss(self, batch, target_out):
+        if self.student.training:
+            calls[0] += 1
+            if calls[0] == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, batch, target_out)
+
+    DistillSpecDrafter.compute_loss = compute_loss
+    sys.exit(main())
+""")
+STEPS, SAVE_EVERY, KILL_AT_STEP = 8, 4, 6
+
+
+def distillspec_recipe(folder: Path) -> dict:
+    from spine import make_recipe
+
+    recipe = make_recipe(folder, folder / "target", folder / "chat.jsonl",
+                         drafter={"family": "distillspec", "num_layers": 1, "divergence": "tvd",
+                                  "on_policy_fraction": 0.5, "generation_max_new_tokens": 8},
+                         optimizer={"lr": 1e-2, "warmup_steps": 0},
+                         training={"max_steps": STEPS}, checkpoint={"save_every": SAVE_EVERY})
+    recipe["data"]["packing"] = False  # on-policy samples replace whole rows
+    return recipe
+
+
+def killed_runs(folder: Path):
+    from spine import KilledRun
+
+    class KilledDistillSpecRun(KilledRun):
+        def _train(self, name, flags, env=None):
+            recipe = json.loads(json.dumps(self.recipe))
+            recipe["checkpoint"]["output_dir"] = str(self.tmp / name / "run")
+            path = self.tmp / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(recipe))
+            (self.tmp / "cli.py").write_text(KILLING_CLI)
+            full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+            return subprocess.run([sys.executable, str(self.tmp / "cli.py"), "train", str(path), "--no-progress",
+                                   *flags], check=False, env=full_env, capture_output=True, text=True, timeout=900)
+
+    recipe = distillspec_recipe(folder)
+    accumulation = recipe["training"]["grad_accumulation"]
+    return KilledDistillSpecRun(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * accumulation + 1,
+                                checkpoint_step=SAVE_EVERY)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from spine import built_killed_run
+
+    return built_killed_run(tmp_path_factory, "distillspec-kill-9", killed_runs)
+
+
+def test_on_policy_training_resumes_exactly_after_kill_9_and_logs_alpha_and_generation(runs):
+    from spine import read_metrics
+
+    runs.check_resume("resumed")
+    logged = [m for m in read_metrics(runs.straight) if "train/loss" in m]
+    assert all(0 <= m["train/alpha"] <= 1 for m in logged)
+    assert any(m["train/generate_s"] > 0 for m in logged)  # generation cost, reported on its own
+
+
+def test_the_saved_student_is_a_transformers_folder_that_load_drafter_and_eval_both_open(runs, tmp_path, capsys):
+    """One folder: load_drafter reads it, transformers reads it, `specdraft export` copies and checks it
+    (printing the vLLM and SGLang flags), and `specdraft eval` takes it as --drafter and --draft-model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.cli import main
+    from specdraft.export import check_exported, export
+
+    folder = runs.straight / "drafter"
+    target = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
+    drafter = load_drafter(folder, target)
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    assert AutoTokenizer.from_pretrained(folder).get_vocab() == target.tokenizer.get_vocab()
+    ids = torch.tensor([[1, 40, 41, 42, 43]])
+    assert torch.equal(plain(ids).logits, drafter.student(ids).logits)
+
+    assert main(["export", str(runs.straight), "--format", "hf", "--out", str(tmp_path / "export")]) == 0
+    hint = capsys.readouterr().out
+    assert '"method": "draft_model"' in hint and "--speculative-algorithm STANDALONE" in hint
+    check_exported(tmp_path / "export", folder)
+    assert export  # (the same driver, through the CLI)
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 0, "category": "a", "turns": ["Tell me a story."]}) + "\n")
+    assert main(["eval", "--target", str(runs.tmp / "target"), "--prompts", str(questions), "--max-new-tokens", "12",
+                 "-k", "3", "--no-progress", "--drafter", str(folder), "--draft-model", str(tmp_path / "export"),
+                 "--out", str(tmp_path / "eval")]) == 0
+    result = json.loads((tmp_path / "eval" / "result.json").read_text())
+    # both ways in decoded, each token-identical to plain greedy decoding
+    assert len(result["greedy_identical"]) == 2 and set(result["greedy_identical"].values()) == {1.0}, result
