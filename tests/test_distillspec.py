@@ -3,15 +3,10 @@ on-policy data. Unit tests on a 2-layer Llama; then real `specdraft train` runs 
 and resumed), the export, and `specdraft eval --draft-model` on the same folder."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from test_medusa import chat_batch, tiny_target
 
 from specdraft.contract import TrainingContext
@@ -177,23 +172,6 @@ def test_the_logged_alpha_is_the_acceptance_the_decoder_measures():
 
 # -- real runs --------------------------------------------------------------------------------------
 
-KILLING_CLI = textwrap.dedent("""
-    import os, signal, sys
-    from specdraft.cli import main
-    from specdraft.drafters.distillspec import DistillSpecDrafter
-
-    real, calls = DistillSpecDrafter.compute_loss, [0]
-
-    def compute_loss(self, batch, target_out):
-        if self.student.training:
-            calls[0] += 1
-            if calls[0] == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
-                os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, batch, target_out)
-
-    DistillSpecDrafter.compute_loss = compute_loss
-    sys.exit(main())
-""")
 STEPS, SAVE_EVERY, KILL_AT_STEP = 8, 4, 6
 
 
@@ -210,23 +188,10 @@ def distillspec_recipe(folder: Path) -> dict:
 
 
 def killed_runs(folder: Path):
-    from spine import KilledRun
+    from test_medusa import killed_run_of, killing_cli
 
-    class KilledDistillSpecRun(KilledRun):
-        def _train(self, name, flags, env=None):
-            recipe = json.loads(json.dumps(self.recipe))
-            recipe["checkpoint"]["output_dir"] = str(self.tmp / name / "run")
-            path = self.tmp / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(recipe))
-            (self.tmp / "cli.py").write_text(KILLING_CLI)
-            full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-            return subprocess.run([sys.executable, str(self.tmp / "cli.py"), "train", str(path), "--no-progress",
-                                   *flags], check=False, env=full_env, capture_output=True, text=True, timeout=900)
-
-    recipe = distillspec_recipe(folder)
-    accumulation = recipe["training"]["grad_accumulation"]
-    return KilledDistillSpecRun(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * accumulation + 1,
-                                checkpoint_step=SAVE_EVERY)
+    cli = killing_cli("specdraft.drafters.distillspec", "DistillSpecDrafter", "self.student.training")
+    return killed_run_of(folder, distillspec_recipe(folder), KILL_AT_STEP, SAVE_EVERY, cli)
 
 
 @pytest.fixture(scope="module")

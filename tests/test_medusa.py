@@ -744,32 +744,37 @@ def test_each_recipe_builds_its_heads_on_meta_with_real_dims(path):
 
 # -- a real run: `specdraft train`, killed with kill -9, resumed ------------------------------------------------
 
-# Runs `specdraft train` with the Medusa drafter's compute_loss wrapped to SIGKILL its own process at
-# the PROBE_KILL_AT_CALL-th training micro-batch (the hook tests/probe_family.py gives the probe).
-KILLING_CLI = textwrap.dedent("""
-    import os, signal, sys
-    from specdraft.cli import main
-    from specdraft.drafters.medusa import MedusaDrafter
+def killing_cli(module: str, drafter_class: str, training: str = "self.training") -> str:
+    """A `specdraft` entry point whose ``drafter_class.compute_loss`` SIGKILLs its own process at the
+    PROBE_KILL_AT_CALL-th training micro-batch (``training``: how the drafter tells a training call
+    from the held-out eval's); the hook tests/probe_family.py gives the probe."""
+    return textwrap.dedent(f"""
+        import os, signal, sys
+        from specdraft.cli import main
+        from {module} import {drafter_class}
 
-    real, calls = MedusaDrafter.compute_loss, [0]
+        real, calls = {drafter_class}.compute_loss, [0]
 
-    def compute_loss(self, batch, target_out):
-        if self.training:
-            calls[0] += 1
-            if calls[0] == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
-                os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, batch, target_out)
+        def compute_loss(self, batch, target_out):
+            if {training}:
+                calls[0] += 1
+                if calls[0] == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, batch, target_out)
 
-    MedusaDrafter.compute_loss = compute_loss
-    sys.exit(main())
-""")
+        {drafter_class}.compute_loss = compute_loss
+        sys.exit(main())
+    """)
+
+
+KILLING_CLI = killing_cli("specdraft.drafters.medusa", "MedusaDrafter")
 
 KILL_STEPS, KILL_SAVE_EVERY, KILL_AT_STEP = 10, 4, 7
 
 
-def killed_run_of(folder: Path, recipe: dict, kill_at_step: int, checkpoint_step: int):
-    """A KilledRun whose `specdraft train` kills itself through KILLING_CLI (Medusa-1's compute_loss, which
-    Medusa-2's calls once per micro-batch too)."""
+def killed_run_of(folder: Path, recipe: dict, kill_at_step: int, checkpoint_step: int, cli: str = KILLING_CLI):
+    """A KilledRun whose `specdraft train` kills itself through ``cli`` (by default KILLING_CLI: Medusa-1's
+    compute_loss, which Medusa-2's calls once per micro-batch too)."""
     from spine import KilledRun
 
     class KilledMedusaRun(KilledRun):
@@ -778,7 +783,7 @@ def killed_run_of(folder: Path, recipe: dict, kill_at_step: int, checkpoint_step
             recipe["checkpoint"]["output_dir"] = str(self.tmp / name / "run")
             path = self.tmp / f"{name}.yaml"
             path.write_text(yaml.safe_dump(recipe))
-            (self.tmp / "cli.py").write_text(KILLING_CLI)
+            (self.tmp / "cli.py").write_text(cli)
             full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
             return subprocess.run([sys.executable, str(self.tmp / "cli.py"), "train", str(path), "--no-progress",
                                    *flags], check=False, env=full_env, capture_output=True, text=True, timeout=900)
