@@ -41,6 +41,18 @@ def test_config_init_is_a_fresh_model_of_the_targets_shape_and_a_wider_one_warns
         student_of(target, init="config", hidden_size=128, intermediate_size=256)
 
 
+def test_the_ce_baseline_is_next_token_cross_entropy_on_the_answers():
+    target = tiny_target()
+    drafter = student_of(target, divergence="ce")
+    batch = chat_batch()
+    example = drafter.prepare(batch, TrainingContext(target))
+    loss = drafter.compute_loss(example.batch, example.target).loss
+    counted = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
+    logits = drafter.student(batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][counted]
+    expected = torch.nn.functional.cross_entropy(logits.double(), batch["input_ids"][:, 1:][counted])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+
+
 @pytest.mark.parametrize("divergence", sorted(DIVERGENCES))
 def test_the_loss_is_the_divergence_of_the_two_models_at_the_answer_positions(divergence):
     """By brute force: both full models' logits, the positions predicting an answer token, temperature
@@ -105,7 +117,7 @@ def test_bad_settings_are_refused_with_what_to_do():
         DistillSpecConfig(divergence="jsd", beta=1.5)
     with pytest.raises(SpecdraftError, match=r"on_policy_fraction.*must be in \[0, 1\]"):
         DistillSpecConfig(on_policy_fraction=-0.1)
-    with pytest.raises(SpecdraftError, match="divergence must be one of fkl, rkl, jsd, tvd"):
+    with pytest.raises(SpecdraftError, match="divergence must be one of fkl, rkl, jsd, tvd \\(or ce"):
         DistillSpecConfig(divergence="kl")
     target = tiny_target()  # context 256
     with pytest.raises(SpecdraftError, match="does not fit the target's context"):

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..atomic import atomic_folder
@@ -45,7 +46,7 @@ from ..contract import (
     TrainingContext,
 )
 from ..errors import SpecdraftError
-from ..losses import DIVERGENCES, acceptance_rate, distillation_view
+from ..losses import DIVERGENCES, acceptance_rate, distillation_view, generalized_jsd
 from ..masks import block_causal_mask
 
 INITS = ("config", "truncate", "pretrained")
@@ -61,7 +62,7 @@ class DistillSpecConfig:
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
-    divergence: str = "fkl"  # fkl | rkl | jsd | tvd
+    divergence: str = "fkl"  # fkl | rkl | jsd | tvd, or ce: next-token CE on the data's tokens (the SFT baseline)
     beta: float = 0.5  # JSD(beta); 0 = FKL and 1 = RKL (TRL's convention)
     temperature: float = 1.0  # applied to P and Q alike: distil for the temperature you decode at
     top_k: int | None = None  # compare over the target's top-k tokens only (both renormalised)
@@ -74,9 +75,9 @@ class DistillSpecConfig:
             raise SpecdraftError(f"drafter.init must be one of {', '.join(INITS)}, got {self.init!r}")
         if (self.init == "pretrained") != (self.student_path is not None):
             raise SpecdraftError("drafter.student_path goes with init: pretrained (a model folder), and only with it")
-        if self.divergence not in DIVERGENCES:
-            raise SpecdraftError(f"drafter.divergence must be one of {', '.join(DIVERGENCES)}, "
-                                 f"got {self.divergence!r}")
+        if self.divergence not in (*DIVERGENCES, "ce"):
+            raise SpecdraftError(f"drafter.divergence must be one of {', '.join(DIVERGENCES)} (or ce, the plain "
+                                 f"next-token baseline), got {self.divergence!r}")
         if not 0.0 <= self.beta <= 1.0:
             raise SpecdraftError(f"drafter.beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {self.beta}")
         if not 0.0 <= self.on_policy_fraction <= 1.0:
@@ -184,7 +185,6 @@ class DistillSpecDrafter(nn.Module):
         self.config, self.student = cfg, student
         self.needs = distillspec_needs(cfg, target.config)
         self.tokenizer = target.tokenizer  # saved beside the weights: a served draft model needs one
-        self.divergence = DIVERGENCES[cfg.divergence]
 
     def trained_module(self) -> nn.Module:
         return self.student
@@ -279,9 +279,15 @@ class DistillSpecDrafter(nn.Module):
         student = self.student.lm_head(hidden[:, :-1][counted]).float()  # [M, V]
         teacher = target_out.logits[:, :-1][counted]  # [M, V]
         everywhere = torch.ones(student.shape[:-1], device=student.device)
-        view = distillation_view(student, teacher, self.config.temperature, self.config.top_k)
-        loss = (self.divergence(*view, everywhere, self.config.beta) if self.config.divergence == "jsd"
-                else self.divergence(*view, everywhere))
+        cfg = self.config
+        if cfg.divergence == "ce":  # the baseline DistillSpec improves on: the data's next tokens, no teacher
+            loss = F.cross_entropy(student, batch["input_ids"][:, 1:][counted])
+        elif cfg.divergence == "jsd":
+            loss = generalized_jsd(*distillation_view(student, teacher, cfg.temperature, cfg.top_k), everywhere,
+                                   cfg.beta)
+        else:
+            loss = DIVERGENCES[cfg.divergence](*distillation_view(student, teacher, cfg.temperature, cfg.top_k),
+                                               everywhere)
         with torch.no_grad():
             metrics = {
                 "loss": loss.detach(),

@@ -1,0 +1,179 @@
+"""Benchmark: DistillSpec's grid (divergence x data) on one target, same student init, same steps.
+
+    python eval/bench_distillspec.py --target toy --steps 100 --train-jobs 2
+    python eval/bench_distillspec.py --target smollm2-135m-instruct --steps 200 --train-jobs 2
+
+  1. data      the target's own answers to the training prompts (cached, as eval/bench_families.py)
+  2. train     recipes/<target>-distillspec.yaml, one cell per divergence (fkl, rkl, jsd beta 0.5, tvd)
+               x data (teacher answers: lambda 0; on-policy lambda 0.5; on-policy lambda 1), plus the
+               baseline trained by next-token CE on the teacher's answers; each in a fresh 1-thread
+               process. The student as initialised (no training) is the floor.
+  3. evaluate  one `evaluate` per temperature (0 and 1): every student, prompt lookup and plain decoding,
+               chain K=5: tau, alpha, c, speedup. The winner per decoding mode is printed.
+  4. assisted  the T=0 winner in transformers' assisted generation (same K, constant schedule, no
+               confidence cut-off) against specdraft's decoder, greedy, same prompts: identical tokens
+               required, wall clock compared.
+
+Writes WORK/results.json and WORK/report.md, and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+from bench_eagle import K, evaluate_at_temperatures, markdown_table
+from bench_families import (
+    RECIPE_PREFIX,
+    digest,
+    prompt_sets,
+    recipe_for,
+    target_answers,
+    train_family,
+)
+
+from specdraft.config import load_recipe
+from specdraft.decoding.sampling import SamplingParams
+from specdraft.decoding.speculative import speculative_decode
+from specdraft.drafters import load_drafter
+from specdraft.drafters.distillspec import DISTILLSPEC
+from specdraft.evaluation.suites import prompt_token_ids
+from specdraft.target import FrozenTarget, resolve_target_path
+
+DIVERGENCE_CELLS = {"fkl": [], "rkl": [], "jsd": ["drafter.beta=0.5"], "tvd": []}
+DATA_CELLS = {"teacher": 0.0, "onpolicy0.5": 0.5, "onpolicy1": 1.0}
+
+
+def cells() -> dict[str, list[str]]:
+    """cell name -> its recipe overrides: the grid, then the CE baseline."""
+    grid = {f"{div}-{data}": [f"drafter.divergence={div}", f"drafter.on_policy_fraction={lam}", *extra]
+            for div, extra in DIVERGENCE_CELLS.items() for data, lam in DATA_CELLS.items()}
+    return {**grid, "ce-teacher": ["drafter.divergence=ce", "drafter.on_policy_fraction=0.0"]}
+
+
+def train_cells(recipe: Path, overrides: list[str], work: Path, jobs: int, data: list[Path]) -> dict:
+    import hashlib
+    import multiprocessing
+
+    data_digest = digest([hashlib.sha256(path.read_bytes()).hexdigest() for path in data])
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        futures = {name: pool.submit(train_family, "distillspec", recipe,
+                                     overrides + cell + [f"checkpoint.output_dir={work / 'runs' / name}"],
+                                     work / "runs" / name, data_digest)
+                   for name, cell in cells().items()}
+        print(f"training {len(futures)} students, {jobs} at a time, one thread each (minutes)")
+        try:
+            return {name: future.result() for name, future in futures.items()}
+        except BaseException:
+            for worker in multiprocessing.active_children():
+                worker.terminate()
+            raise
+
+
+def untrained_student(recipe: Path, target, work: Path) -> Path:
+    """The student as its recipe initialises it, saved as a trained one would be."""
+    folder = work / "runs" / "init-only" / "drafter"
+    torch.manual_seed(0)
+    DISTILLSPEC.build(target, load_recipe(recipe).drafter).save_pretrained(folder)
+    return folder
+
+
+def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) -> dict:
+    """Greedy, same student, same K: transformers' assisted generation against speculative_decode."""
+    eos = target.tokenizer.eos_token_id
+    assistant = student.student
+    assistant.generation_config.num_assistant_tokens = K
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"  # K drafts every step, as ours
+    assistant.generation_config.assistant_confidence_threshold = 0.0  # never cut a proposal short
+    seconds = {"transformers": 0.0, "specdraft": 0.0}
+    identical = tokens = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt_token_ids(target.tokenizer, prompt)])
+        started = time.perf_counter()
+        theirs = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
+                                       do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                       pad_token_id=eos)[0, ids.shape[1]:].tolist()
+        seconds["transformers"] += time.perf_counter() - started
+        started = time.perf_counter()
+        ours = speculative_decode(target, student.draft_source(target), ids, k=K, params=SamplingParams(temperature=0),
+                                  max_new_tokens=max_new_tokens, eos_token_ids=eos).tokens
+        seconds["specdraft"] += time.perf_counter() - started
+        identical += theirs == ours
+        tokens += len(ours)
+    return {"prompts": len(prompts), "identical": identical, "tokens": tokens,
+            "seconds": {k: round(v, 2) for k, v in seconds.items()},
+            "specdraft_over_transformers": round(seconds["transformers"] / seconds["specdraft"], 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="toy")
+    parser.add_argument("--work", default="bench-distillspec")
+    parser.add_argument("--train-prompts", default=None)
+    parser.add_argument("--eval-prompts", default=None)
+    parser.add_argument("--num-train-prompts", type=int, default=400)
+    parser.add_argument("--heldout-answers", type=int, default=24)
+    parser.add_argument("--answer-tokens", type=int, default=256)
+    parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--per-category", type=int, default=2, help="eval prompts per category")
+    parser.add_argument("--steps", type=int, default=100, help="every cell's optimizer steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    work = Path(args.work)
+    target_dir = Path(resolve_target_path(args.target, "float32"))
+    recipe = recipe_for(RECIPE_PREFIX.get(args.target, target_dir.name), "distillspec")
+    if recipe is None:
+        sys.exit(f"no DistillSpec recipe for {args.target}: add recipes/<prefix>-distillspec.yaml")
+    train, heldout, eval_prompts, source = prompt_sets(args)
+    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype)
+    heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
+                                        args.answer_dtype)
+    overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
+                 "eval.enabled=false", f"training.max_steps={args.steps}", *args.set]
+    trained = train_cells(recipe, overrides, work, args.train_jobs, [answers, heldout_answers])
+
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    fits = [p for p in eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens
+            < target.config.max_position_embeddings]
+    students = {name: load_drafter(run["drafter"], target).eval() for name, run in trained.items()}
+    students["init-only"] = load_drafter(untrained_student(recipe, target, work), target).eval()
+    results = evaluate_at_temperatures(target, students, fits, args.max_new_tokens, work / "eval")
+
+    lines = [(f"## DistillSpec grid on {args.target} ({len(fits)} prompts from {source}, K={K}, "
+             f"{args.steps} steps per cell, max {args.max_new_tokens} new tokens, float32, 1 thread)"), "",
+             f"`python {' '.join(sys.argv)}`", "", f"answers: {answer_record}", ""]
+    winners = {}
+    for temperature, result in results.items():
+        overall = {m: g["overall"] for m, g in result["methods"].items() if m in students}
+        best = max(overall, key=lambda m: overall[m]["acceptance_length"] or 0)
+        winners[temperature] = best
+        lines += [f"### temperature {temperature:g}", "", markdown_table(result), "",
+                  f"**winner at T={temperature:g}: {best}** (tau {overall[best]['acceptance_length']:.2f})", ""]
+    lines += ["### training", "", "| cell | minutes | tokens | final held-out alpha |", "|---|---:|---:|---:|"]
+    for name, run in trained.items():
+        alpha = run["final_metrics"].get("eval/alpha")
+        lines.append(f"| {name} | {run['seconds'] / 60:.1f} | {run['tokens']} | "
+                     f"{'-' if alpha is None else format(alpha, '.3f')} |")
+    assisted = assisted_against_specdraft(target, students[winners[0.0]], fits, args.max_new_tokens)
+    lines += ["", f"### {winners[0.0]} in transformers' assisted generation vs specdraft's decoder (greedy, K={K})",
+              "", json.dumps(assisted)]
+    markdown = "\n".join(lines)
+    (work / "report.md").write_text(markdown + "\n")
+    (work / "results.json").write_text(json.dumps({"args": vars(args), "training": trained, "winners": winners,
+                                                   "assisted": assisted,
+                                                   "eval": {str(t): r for t, r in results.items()}}, indent=1))
+    print("\n" + markdown)
+
+
+if __name__ == "__main__":
+    main()
