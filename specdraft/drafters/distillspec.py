@@ -271,12 +271,12 @@ class DistillSpecDrafter(nn.Module):
         mask = batch["attention_mask"]
         if "seq_ids" in batch:
             mask = block_causal_mask(mask, batch["seq_ids"])
-        hidden = self.student.model(input_ids=batch["input_ids"], attention_mask=mask,
+        hidden = self.student.get_decoder()(input_ids=batch["input_ids"], attention_mask=mask,
                                     position_ids=batch.get("position_ids")).last_hidden_state
         # Position t predicts token t+1: counted where t+1 is an answer token. Only those rows go through
         # the student's LM head, so the [B, T, V] student logits are never formed.
         counted = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
-        student = self.student.lm_head(hidden[:, :-1][counted]).float()  # [M, V]
+        student = self.student.get_output_embeddings()(hidden[:, :-1][counted]).float()  # [M, V]
         teacher = target_out.logits[:, :-1][counted]  # [M, V]
         everywhere = torch.ones(student.shape[:-1], device=student.device)
         cfg = self.config
