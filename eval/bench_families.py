@@ -280,13 +280,6 @@ def temperature_sections(results: dict) -> list[str]:
     return lines
 
 
-def trains_adapters(drafter_dir: Path, target_config) -> bool:
-    """Whether the saved drafter's family puts adapters into its target (its declared TargetNeeds)."""
-    saved = json.loads((drafter_dir / "config.json").read_text())
-    family = FAMILIES[saved["family"]]
-    return family.needs(family.config_cls(**saved["config"]), target_config).trains_adapters
-
-
 def category_table(result: dict) -> str:
     methods = [m for m in result["methods"] if m != "plain"]
     lines = ["| category | " + " | ".join(f"{m} tau" for m in methods) + " |", "|---" + "|---:" * len(methods) + "|"]
@@ -349,11 +342,18 @@ def main() -> None:
     eval_prompts = fits
     # A family that trains adapters inside the target (Medusa-2) changes the target it is loaded on: it
     # gets a target of its own, and its own eval, whose plain decoding is that adapted target's.
-    adapting = {family for family, run in trained.items() if trains_adapters(Path(run["drafter"]), target.config)}
-    loaded = {}  # family -> (the target it decodes with, the drafter)
+    # Each drafter is loaded on a target copy first: where it put adapters into it (its declared
+    # TargetNeeds), that copy is its own; otherwise it is loaded again on the shared target.
+    loaded, adapting = {}, set()  # family -> (the target it decodes with, the drafter)
     for family, run in trained.items():
-        own = FrozenTarget.from_pretrained(target_dir, dtype="float32") if family in adapting else target
-        loaded[family] = (own, load_drafter(run["drafter"], own).eval())
+        own = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+        drafter = load_drafter(run["drafter"], own).eval()
+        if drafter.needs.trains_adapters:
+            loaded[family] = (own, drafter)
+            adapting.add(family)
+        else:
+            del own, drafter
+            loaded[family] = (target, load_drafter(run["drafter"], target).eval())
     for family, (own, drafter) in loaded.items():
         trained[family]["trainable_parameters"] = sum(p.numel() for p in drafter.trained_module().parameters()
                                                         if p.requires_grad)
