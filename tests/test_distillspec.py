@@ -98,12 +98,15 @@ def test_on_policy_samples_are_the_prompt_and_the_students_continuation_with_the
         assert torch.equal(ids[:prompt_length], batch["input_ids"][row, :prompt_length])  # the prompt is kept
         assert mask[:prompt_length].sum() == 0 and mask[prompt_length:length].all() and mask[length:].sum() == 0
         assert 1 <= length - prompt_length <= 6
-    # the student wrote them: with its sampler off (greedy), they are its own argmax continuation
-    student = drafter.student
+    # the student wrote them: sampled at a temperature near 0, they are its own greedy continuation
+    nearly_greedy = student_of(target, on_policy_fraction=1.0, generation_max_new_tokens=6,
+                               generation_temperature=1e-6)
+    generated = nearly_greedy.prepare(batch, TrainingContext(target)).batch
     prompt = batch["input_ids"][:1, :5]
-    greedy = student.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=6,
-                              pad_token_id=0)
-    assert greedy.shape[1] == 11  # (a sanity check of the call: sampled ones differ, so only the shape)
+    greedy = nearly_greedy.student.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                            max_new_tokens=6, pad_token_id=0, eos_token_id=None)[0, 5:]
+    length = int(generated["attention_mask"][0].sum())
+    assert torch.equal(generated["input_ids"][0, 5:length], greedy[: length - 5])
     assert example.target.logits.shape[:2] == example.batch["input_ids"].shape  # the target scored them
     # at lambda = 0 nothing is generated, and the held-out batches are never regenerated
     fixed = student_of(target)
