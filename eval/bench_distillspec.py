@@ -23,18 +23,16 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 from bench_eagle import K, evaluate_at_temperatures, markdown_table
 from bench_families import (
     RECIPE_PREFIX,
-    digest,
     prompt_sets,
     recipe_for,
     target_answers,
-    train_family,
+    train_runs,
 )
 
 from specdraft.config import load_recipe
@@ -54,26 +52,6 @@ def cells() -> dict[str, list[str]]:
     grid = {f"{div}-{data}": [f"drafter.divergence={div}", f"drafter.on_policy_fraction={lam}", *extra]
             for div, extra in DIVERGENCE_CELLS.items() for data, lam in DATA_CELLS.items()}
     return {**grid, "ce-teacher": ["drafter.divergence=ce", "drafter.on_policy_fraction=0.0"]}
-
-
-def train_cells(recipe: Path, overrides: list[str], work: Path, jobs: int, data: list[Path]) -> dict:
-    import hashlib
-    import multiprocessing
-
-    data_digest = digest([hashlib.sha256(path.read_bytes()).hexdigest() for path in data])
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {name: pool.submit(train_family, "distillspec", recipe,
-                                     overrides + cell + [f"checkpoint.output_dir={work / 'runs' / name}"],
-                                     work / "runs" / name, data_digest)
-                   for name, cell in cells().items()}
-        print(f"training {len(futures)} students, {jobs} at a time, one thread each (minutes)")
-        try:
-            return {name: future.result() for name, future in futures.items()}
-        except BaseException:
-            for worker in multiprocessing.active_children():
-                worker.terminate()
-            raise
 
 
 def untrained_student(recipe: Path, target, work: Path) -> Path:
@@ -140,7 +118,8 @@ def main() -> None:
                                         args.answer_dtype)
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
                  "eval.enabled=false", f"training.max_steps={args.steps}", *args.set]
-    trained = train_cells(recipe, overrides, work, args.train_jobs, [answers, heldout_answers])
+    trained = train_runs({name: ("distillspec", recipe, overrides + cell) for name, cell in cells().items()},
+                         work, args.train_jobs, [answers, heldout_answers])
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
     fits = [p for p in eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens

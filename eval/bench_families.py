@@ -181,22 +181,29 @@ def overrides_for(family: str, overrides: list[str]) -> list[str]:
 
 
 def train_all(families, recipe_prefix: str, overrides: list[str], work: Path, jobs: int, data: list[Path]) -> dict:
-    """Each family in a fresh 1-thread process (max_tasks_per_child=1), `jobs` at a time."""
+    """Each family in a fresh 1-thread process, `jobs` at a time (``train_runs``)."""
+    runs = {}
+    for family in families:
+        recipe = recipe_for(recipe_prefix, family)
+        if recipe is None:
+            sys.exit(f"no recipe {recipe} for family {family}: add one (see recipes/{recipe_prefix}-eagle3.yaml)")
+        runs[family] = (family, recipe, overrides_for(family, overrides))
+    return train_runs(runs, work, jobs, data)
+
+
+def train_runs(runs: dict[str, tuple[str, Path, list[str]]], work: Path, jobs: int, data: list[Path]) -> dict:
+    """name -> (family, recipe, overrides), each trained into WORK/runs/<name> in a fresh 1-thread process
+    (max_tasks_per_child=1), `jobs` at a time; returns name -> its ``train_family`` record."""
     data_digest = digest([hashlib.sha256(path.read_bytes()).hexdigest() for path in data])
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {}
-        for family in families:
-            run_dir = work / "runs" / family
-            recipe = recipe_for(recipe_prefix, family)
-            if recipe is None:
-                sys.exit(f"no recipe {recipe} for family {family}: add one (see recipes/{recipe_prefix}-eagle3.yaml)")
-            futures[family] = pool.submit(train_family, family, recipe,
-                                          overrides_for(family, overrides) + [f"checkpoint.output_dir={run_dir}"],
-                                          run_dir, data_digest)
-        print(f"training {', '.join(families)}, {jobs} at a time, one thread each (no progress bars; minutes)")
+        futures = {name: pool.submit(train_family, family, recipe,
+                                     overrides + [f"checkpoint.output_dir={work / 'runs' / name}"],
+                                     work / "runs" / name, data_digest)
+                   for name, (family, recipe, overrides) in runs.items()}
+        print(f"training {', '.join(runs)}, {jobs} at a time, one thread each (no progress bars; minutes)")
         try:
-            return {family: future.result() for family, future in futures.items()}
+            return {name: future.result() for name, future in futures.items()}
         except BaseException:
             # Ctrl-C or a kill of this script: stop the training workers too, or they train on
             # unseen. SIGTERM makes each save a checkpoint at its next step and exit (the loop's
