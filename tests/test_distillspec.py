@@ -133,7 +133,7 @@ def test_bad_settings_are_refused_with_what_to_do():
 
 
 def test_a_pretrained_student_with_another_vocabulary_or_tokenizer_is_refused(tmp_path):
-    from tiny import save_tiny_target, tiny_tokenizer
+    from tiny import save_tiny_target
 
     target_dir = save_tiny_target(tmp_path / "target")
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
@@ -149,7 +149,6 @@ def test_a_pretrained_student_with_another_vocabulary_or_tokenizer_is_refused(tm
     tokenizer_json["model"]["vocab"] = {t: i for t, i in reversed_tokens.items() if t in tokenizer_json["model"]["vocab"]}
     tokenizer_json["added_tokens"] = []
     (same_size / "tokenizer.json").write_text(json.dumps(tokenizer_json))
-    assert tiny_tokenizer  # (the same builder made both folders)
     with pytest.raises(SpecdraftError, match="different tokenizer from the target"):
         DISTILLSPEC.build(target, DistillSpecConfig(init="pretrained", student_path=str(same_size)))
     good = DISTILLSPEC.build(target, DistillSpecConfig(init="pretrained", student_path=str(target_dir)))
@@ -231,7 +230,7 @@ def test_the_saved_student_is_a_transformers_folder_that_load_drafter_and_eval_b
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdraft.cli import main
-    from specdraft.export import check_exported, export
+    from specdraft.export import check_exported
 
     folder = runs.straight / "drafter"
     target = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
@@ -245,7 +244,6 @@ def test_the_saved_student_is_a_transformers_folder_that_load_drafter_and_eval_b
     hint = capsys.readouterr().out
     assert '"method": "draft_model"' in hint and "--speculative-algorithm STANDALONE" in hint
     check_exported(tmp_path / "export", folder)
-    assert export  # (the same driver, through the CLI)
 
     questions = tmp_path / "questions.jsonl"
     questions.write_text(json.dumps({"question_id": 0, "category": "a", "turns": ["Tell me a story."]}) + "\n")
