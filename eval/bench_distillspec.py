@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,14 +63,37 @@ def untrained_student(recipe: Path, target, work: Path) -> Path:
     return folder
 
 
+@contextmanager
+def time_in_forwards(modules):
+    """{"seconds": time spent inside these modules' forward calls} (hooks; the modules are not nested)."""
+    spent, started = {"seconds": 0.0}, {}
+
+    def enter(module, args):
+        started[id(module)] = time.perf_counter()
+
+    def leave(module, args, output):
+        spent["seconds"] += time.perf_counter() - started.pop(id(module))
+
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        yield spent
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) -> dict:
-    """Greedy, same student, same K: transformers' assisted generation against speculative_decode."""
+    """Greedy, same student, same K: transformers' assisted generation against speculative_decode.
+
+    Also the share of specdraft's time spent inside the two models' forwards, which both decoders run
+    alike (one K+1-token target forward and K one-token student forwards a step): transformers' time
+    over that is the ratio specdraft would reach with no overhead of its own (``ceiling``)."""
     eos = target.tokenizer.eos_token_id
-    assistant = student.student
+    assistant = student.lm()
     assistant.generation_config.num_assistant_tokens = K
     assistant.generation_config.num_assistant_tokens_schedule = "constant"  # K drafts every step, as ours
     assistant.generation_config.assistant_confidence_threshold = 0.0  # never cut a proposal short
-    seconds = {"transformers": 0.0, "specdraft": 0.0}
+    seconds = {"transformers": 0.0, "specdraft": 0.0, "specdraft_forwards": 0.0}
     identical = tokens = 0
     for prompt in prompts:
         ids = torch.tensor([prompt_token_ids(target.tokenizer, prompt)])
@@ -79,14 +103,19 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
                                        pad_token_id=eos)[0, ids.shape[1]:].tolist()
         seconds["transformers"] += time.perf_counter() - started
         started = time.perf_counter()
-        ours = speculative_decode(target, student.draft_source(target), ids, k=K, params=SamplingParams(temperature=0),
-                                  max_new_tokens=max_new_tokens, eos_token_ids=eos).tokens
+        with time_in_forwards([target.base, target.lm_head, assistant]) as forwards:
+            ours = speculative_decode(target, student.draft_source(target), ids, k=K,
+                                      params=SamplingParams(temperature=0), max_new_tokens=max_new_tokens,
+                                      eos_token_ids=eos).tokens
         seconds["specdraft"] += time.perf_counter() - started
+        seconds["specdraft_forwards"] += forwards["seconds"]
         identical += theirs == ours
         tokens += len(ours)
     return {"prompts": len(prompts), "identical": identical, "tokens": tokens,
             "seconds": {k: round(v, 2) for k, v in seconds.items()},
-            "specdraft_over_transformers": round(seconds["transformers"] / seconds["specdraft"], 2)}
+            "specdraft_over_transformers": round(seconds["transformers"] / seconds["specdraft"], 2),
+            "forward_share": round(seconds["specdraft_forwards"] / seconds["specdraft"], 3),
+            "ceiling": round(seconds["transformers"] / seconds["specdraft_forwards"], 2)}
 
 
 def main() -> None:

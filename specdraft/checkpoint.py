@@ -3,7 +3,7 @@
 A run folder:
   RUN/recipe.yaml                      the resolved recipe
   RUN/checkpoints/step-0000100/        one checkpoint (newest ``keep_last`` are kept)
-      drafter/                         save_pretrained: config.json + model.safetensors
+      drafter/                         save_pretrained: config.json + model.safetensors (+ trained.safetensors)
       optimizer.pt, scheduler.pt       tensors and plain containers only (weights_only=True loads)
       rng-rank{r}.pt                   every process's RNG streams
       optimizer-rank{r}.pt             instead of optimizer.pt under DeepSpeed ZeRO: each process's shard
@@ -193,7 +193,10 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
         _check_world_size(accelerator, ckpt, state.get("world_size", 1))
-        weights = load_file(ckpt / "drafter" / "model.safetensors", device="cpu")
+        # trained.safetensors where the family writes one: model.safetensors then holds a served layout
+        # (a LoRA student merged), and this file the trained module's own tensors (contract.save_pretrained)
+        trained = ckpt / "drafter" / "trained.safetensors"
+        weights = load_file(trained if trained.is_file() else ckpt / "drafter" / "model.safetensors", device="cpu")
         if not zero and not (ckpt / "optimizer.pt").is_file() and _zero_shard_file(ckpt, 0).is_file():
             raise SpecdraftError(
                 f"checkpoint {ckpt} holds DeepSpeed ZeRO optimizer shards; resume it with the DeepSpeed launcher "

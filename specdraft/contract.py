@@ -222,7 +222,10 @@ class Drafter(Protocol):
 
     def save_pretrained(self, path: str | Path) -> None:
         """config.json (family, hyper-parameters, target dims) + model.safetensors (``trained_module()``'s
-        state_dict: what a resume restores and an exporter reads)."""
+        state_dict: what a resume restores and an exporter reads). A family whose model.safetensors is a
+        served layout instead (DistillSpec's LoRA student, merged) writes the trained module's tensors
+        with requires_grad to trained.safetensors, which a resume then reads (the frozen rest is rebuilt
+        from the recipe)."""
 
 
 @dataclass
@@ -300,3 +303,6 @@ class Family:
     # own figures for the end-of-training eval (Medusa-2: how far its adapted target drifted), printed and
     # written to eval/family_report.json. None: nothing beyond the decoding eval.
     eval_report: Callable[..., dict] | None = None
+    # (recipe) -> None: checks across the recipe's sections (the drafter's settings against its data), run
+    # before anything loads; raise SpecdraftError naming the fix. None: the sections are checked alone.
+    check_recipe: Callable[[Any], None] | None = None

@@ -137,7 +137,9 @@ def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> Targe
     from .features import check_feature_cache
 
     check_run_dir(Path(recipe.checkpoint.output_dir), resume, overwrite)
-    get_family(recipe.drafter_family)
+    family = get_family(recipe.drafter_family)
+    if family.check_recipe is not None:
+        family.check_recipe(recipe)
     check_data_source(recipe.data.path)
     if recipe.data.eval_path:
         check_data_source(recipe.data.eval_path)

@@ -132,6 +132,72 @@ def test_bad_settings_are_refused_with_what_to_do():
         DISTILLSPEC.build(target, DistillSpecConfig(num_layers=3))
 
 
+def test_lora_settings_and_on_policy_packing_are_refused_before_anything_loads(tmp_path):
+    from spine import make_recipe, write_recipe
+
+    from specdraft.config import load_recipe
+    from specdraft.train import check_before_loading
+
+    with pytest.raises(SpecdraftError, match=r"lora_r and drafter.lora_alpha must be >= 1, got 0"):
+        DistillSpecConfig(lora_r=0)
+    with pytest.raises(SpecdraftError, match=r"lora_dropout must be in \[0, 1\)"):
+        DistillSpecConfig(lora_r=4, lora_dropout=1.0)
+    with pytest.raises(SpecdraftError, match="random ones: use init: truncate or pretrained"):
+        DistillSpecConfig(lora_r=4, init="config")
+    with pytest.raises(SpecdraftError, match=r"names \['wq'\], which this student does not have.*'down_proj'"):
+        student_of(tiny_target(), lora_r=4, lora_target_modules=["q_proj", "wq"])
+    # the recipe check runs before the target's config is read: this target folder does not exist
+    raw = make_recipe(tmp_path, tmp_path / "no-target", tmp_path / "chat.jsonl",
+                      drafter={"family": "distillspec", "on_policy_fraction": 0.5})
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    raw["data"]["packing"] = True
+    with pytest.raises(SpecdraftError, match="packed rows hold several: set data.packing: false"):
+        check_before_loading(load_recipe(write_recipe(tmp_path / "r.yaml", raw)), resume=False, overwrite=False)
+
+
+def test_a_lora_student_trains_its_adapters_only_and_saves_merged_as_a_plain_folder(tmp_path):
+    """peft's LoRA on the student's projections: only lora_A / lora_B change; the saved folder is the
+    merged student (transformers opens it, same logits), with peft's adapter/ and the resume tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    target = tiny_target()
+    torch.manual_seed(0)
+    drafter = student_of(target, lora_r=4, lora_alpha=8, lora_dropout=0.0)
+    trained = {n for n, p in drafter.trained_module().named_parameters() if p.requires_grad}
+    assert trained and all("lora_A" in n or "lora_B" in n for n in trained)
+    frozen = {n: p.detach().clone() for n, p in drafter.trained_module().named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    batch = chat_batch()
+    losses = []
+    for _ in range(4):
+        example = drafter.prepare(batch, TrainingContext(target))
+        loss = drafter.compute_loss(example.batch, example.target).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for name, p in drafter.trained_module().named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[name]), name
+    drafter.save_pretrained(tmp_path / "student")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    ids = torch.tensor([[1, 40, 41, 42, 43]])
+    with torch.no_grad():
+        live = drafter.lm()(ids).logits
+        with drafter.student.disable_adapter():
+            assert (drafter.lm()(ids).logits - live).abs().max() > 1e-3  # the adapters moved the student
+        merged = plain(ids).logits
+    torch.testing.assert_close(merged, live, rtol=1e-5, atol=1e-5)  # W + BA folded in: float rounding only
+    assert set(load_file(tmp_path / "student" / "trained.safetensors")) == trained
+    assert (tmp_path / "student" / "adapter" / "adapter_config.json").is_file()
+    loaded = load_drafter(tmp_path / "student", target)
+    assert loaded.config.lora_r == 4 and loaded.lm() is loaded.student  # served merged: no adapters left
+    torch.testing.assert_close(loaded.student(ids).logits, merged, rtol=0, atol=0)
+
+
 def test_a_pretrained_student_with_another_vocabulary_or_tokenizer_is_refused(tmp_path):
     from tiny import save_tiny_target
 
@@ -189,23 +255,23 @@ def test_the_logged_alpha_is_the_acceptance_the_decoder_measures():
 STEPS, SAVE_EVERY, KILL_AT_STEP = 8, 4, 6
 
 
-def distillspec_recipe(folder: Path) -> dict:
+def distillspec_recipe(folder: Path, **drafter) -> dict:
     from spine import make_recipe
 
     recipe = make_recipe(folder, folder / "target", folder / "chat.jsonl",
                          drafter={"family": "distillspec", "num_layers": 1, "divergence": "tvd",
-                                  "on_policy_fraction": 0.5, "generation_max_new_tokens": 8},
+                                  "on_policy_fraction": 0.5, "generation_max_new_tokens": 8, **drafter},
                          optimizer={"lr": 1e-2, "warmup_steps": 0},
                          training={"max_steps": STEPS}, checkpoint={"save_every": SAVE_EVERY})
     recipe["data"]["packing"] = False  # on-policy samples replace whole rows
     return recipe
 
 
-def killed_runs(folder: Path):
+def killed_runs(folder: Path, **drafter):
     from test_medusa import killed_run_of, killing_cli
 
     cli = killing_cli("specdraft.drafters.distillspec", "DistillSpecDrafter", "self.student.training")
-    return killed_run_of(folder, distillspec_recipe(folder), KILL_AT_STEP, SAVE_EVERY, cli)
+    return killed_run_of(folder, distillspec_recipe(folder, **drafter), KILL_AT_STEP, SAVE_EVERY, cli)
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +279,16 @@ def runs(tmp_path_factory):
     from spine import built_killed_run
 
     return built_killed_run(tmp_path_factory, "distillspec-kill-9", killed_runs)
+
+
+def test_a_lora_student_resumes_exactly_after_kill_9(tmp_path_factory):
+    """The resume reads the adapters from trained.safetensors (model.safetensors holds them merged);
+    LoRA dropout and on-policy sampling draw from the restored RNG."""
+    from spine import built_killed_run
+
+    runs = built_killed_run(tmp_path_factory, "distillspec-lora-kill-9",
+                            lambda folder: killed_runs(folder, lora_r=4, lora_target_modules=["q_proj", "v_proj"]))
+    runs.check_resume("resumed")
 
 
 def test_on_policy_training_resumes_exactly_after_kill_9_and_logs_alpha_and_generation(runs):
@@ -255,10 +331,13 @@ def test_the_saved_student_is_a_transformers_folder_that_load_drafter_and_eval_b
     assert len(result["greedy_identical"]) == 2 and set(result["greedy_identical"].values()) == {1.0}, result
 
 
-def test_two_ddp_processes_train_the_student_of_one_process(tmp_path):
+@pytest.mark.parametrize("launch", ["ddp", "zero2-lora"])
+def test_two_processes_train_the_student_of_one_process(tmp_path, launch):
     """Fixed data (lambda 0): one process with accumulation 4 and two with accumulation 2 see the same
-    24 chats per step and end at the same student. (On-policy data draws from each rank's own RNG
-    stream, so there a two-process run is a different, equally valid, run.)"""
+    24 chats per step and end at the same student: the whole student under DDP, a LoRA student
+    (compared merged) under DeepSpeed ZeRO-2 through the shipped accelerate config. (On-policy data and
+    LoRA dropout draw from each rank's own RNG stream, so there a two-process run is a different,
+    equally valid, run.)"""
     from spine import (
         DDP_ENV,
         assert_same_weights,
@@ -268,13 +347,20 @@ def test_two_ddp_processes_train_the_student_of_one_process(tmp_path):
         run_cli,
         write_recipe,
     )
+    from test_deepspeed import DS_ENV, deepspeed_launcher, launcher_config
     from tiny import save_tiny_target
 
     save_tiny_target(tmp_path / "target")
     make_chat_data(tmp_path / "chat.jsonl", n=27)
+    lora = {"lora_r": 4, "lora_dropout": 0.0} if launch == "zero2-lora" else {}
+    if launch == "zero2-lora":
+        (tmp_path / "launch").mkdir()
+        launcher, env = deepspeed_launcher(launcher_config(tmp_path / "launch", 2)), DS_ENV
+    else:
+        launcher, env = ddp_launcher(2), DDP_ENV
 
     def recipe(name, accumulation):
-        raw = distillspec_recipe(tmp_path)
+        raw = distillspec_recipe(tmp_path, **lora)
         raw["drafter"]["on_policy_fraction"] = 0.0
         raw["training"].update(max_steps=3, grad_accumulation=accumulation)
         raw["checkpoint"]["output_dir"] = str(tmp_path / name / "run")
@@ -282,8 +368,7 @@ def test_two_ddp_processes_train_the_student_of_one_process(tmp_path):
 
     single = run_cli(["train", str(recipe("single", 4)), "--no-progress"])
     assert single.returncode == 0, single.stderr[-5000:]
-    two = run_cli(["train", str(recipe("two", 2)), "--no-progress"], env=DDP_ENV, launcher=ddp_launcher(2),
-                  timeout=900)
+    two = run_cli(["train", str(recipe("two", 2)), "--no-progress"], env=env, launcher=launcher, timeout=900)
     assert two.returncode == 0, two.stderr[-5000:]
     from specdraft.checkpoint import checkpoint_dirs
 
@@ -294,3 +379,8 @@ def test_two_ddp_processes_train_the_student_of_one_process(tmp_path):
     # of its scale (measured), past spine's 1e-5 and well inside 1e-4 (as Medusa-2's DDP test).
     assert_same_weights(drafter_weights(tmp_path / "two" / "run"), drafter_weights(tmp_path / "single" / "run"),
                         rel=1e-4)
+    if lora:  # the adapters trained (B starts at 0), and only they did
+        from safetensors.torch import load_file
+
+        adapters = load_file(tmp_path / "two" / "run" / "drafter" / "trained.safetensors")
+        assert all("lora_" in n for n in adapters) and any(w.abs().sum() > 0 for n, w in adapters.items() if "lora_B" in n)

@@ -21,18 +21,25 @@ The student comes from ``init``:
   truncate    the same shape, with the target's embeddings, first ``num_layers`` layers, final norm
               and LM head copied in
   pretrained  an existing smaller model folder (``student_path``) with the target's vocabulary
+
+The whole student trains, or, with ``lora_r`` set, peft's LoRA adapters on its projections only (for a
+student too large to train in full). Either way the saved folder is a plain transformers model: a LoRA
+student is saved merged (``merge_and_unload`` on a copy), with its adapters beside it in peft's format
+(``adapter/``) and in ``trained.safetensors``, which a resume reads.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from ..atomic import atomic_folder
@@ -46,6 +53,7 @@ from ..contract import (
     TrainingContext,
 )
 from ..errors import SpecdraftError
+from ..lora import LORA_MODULES, check_lora_settings, with_lora
 from ..losses import DIVERGENCES, acceptance_rate, distillation_view, generalized_jsd
 from ..masks import block_causal_mask
 
@@ -69,6 +77,11 @@ class DistillSpecConfig:
     on_policy_fraction: float = 0.0  # lambda: the share of samples the student regenerates in the step
     generation_temperature: float = 1.0  # the student's sampling temperature for on-policy data
     generation_max_new_tokens: int = 128
+    # LoRA via peft instead of training every weight: null trains the whole student
+    lora_r: int | None = None
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_MODULES))
 
     def __post_init__(self):
         if self.init not in INITS:
@@ -89,6 +102,19 @@ class DistillSpecConfig:
             raise SpecdraftError(f"drafter.top_k must be >= 1, or null for the whole vocabulary; got {self.top_k}")
         if self.num_layers < 1 or self.generation_max_new_tokens < 1:
             raise SpecdraftError("drafter.num_layers and drafter.generation_max_new_tokens must be >= 1")
+        if self.lora_r is not None:
+            check_lora_settings(self.lora_r, self.lora_alpha, self.lora_dropout)
+            if self.init == "config":
+                raise SpecdraftError("a LoRA student (drafter.lora_r) adapts weights that already model language, "
+                                     "and init: config starts from random ones: use init: truncate or pretrained, "
+                                     "or lora_r: null to train the whole student")
+
+
+def check_distillspec_recipe(recipe) -> None:
+    """On-policy data regenerates whole samples; a packed row holds several. Refused before any load."""
+    if recipe.drafter.on_policy_fraction > 0 and recipe.data.packing:
+        raise SpecdraftError("on-policy data (drafter.on_policy_fraction > 0) regenerates whole samples, and packed "
+                             "rows hold several: set data.packing: false")
 
 
 def distillspec_needs(cfg: DistillSpecConfig, target_config) -> TargetNeeds:
@@ -187,7 +213,11 @@ class DistillSpecDrafter(nn.Module):
         self.tokenizer = target.tokenizer  # saved beside the weights: a served draft model needs one
 
     def trained_module(self) -> nn.Module:
-        return self.student
+        return self.student  # a PeftModel for a LoRA student: its lora_A / lora_B are what train
+
+    def lm(self) -> nn.Module:
+        """The transformers model itself (for a LoRA student, peft's base model with the adapters in it)."""
+        return self.student.get_base_model() if hasattr(self.student, "peft_config") else self.student
 
     # -- examples ---------------------------------------------------------------------------------
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
@@ -244,19 +274,20 @@ class DistillSpecDrafter(nn.Module):
         for i, p in enumerate(prompts):
             ids[i, width - p.numel():] = p
             attention[i, width - p.numel():] = 1
-        eos = self.student.config.eos_token_id
+        lm = self.lm()
+        eos = lm.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        was_training = self.student.training
-        self.student.eval()
+        was_training = lm.training
+        lm.eval()
         try:
-            out = self.student.generate(
+            out = lm.generate(
                 input_ids=ids, attention_mask=attention, do_sample=True,
                 temperature=self.config.generation_temperature, top_k=0, top_p=1.0,
                 max_new_tokens=self.config.generation_max_new_tokens,
                 pad_token_id=next(iter(eos_ids), 0), eos_token_id=list(eos_ids) or None,
             )[:, width:]
         finally:
-            self.student.train(was_training)
+            lm.train(was_training)
         continuations = []
         for row in out:
             stop = next((t + 1 for t, token in enumerate(row.tolist()) if token in eos_ids), row.numel())
@@ -271,12 +302,13 @@ class DistillSpecDrafter(nn.Module):
         mask = batch["attention_mask"]
         if "seq_ids" in batch:
             mask = block_causal_mask(mask, batch["seq_ids"])
-        hidden = self.student.get_decoder()(input_ids=batch["input_ids"], attention_mask=mask,
-                                    position_ids=batch.get("position_ids")).last_hidden_state
+        lm = self.lm()
+        hidden = lm.get_decoder()(input_ids=batch["input_ids"], attention_mask=mask,
+                                  position_ids=batch.get("position_ids")).last_hidden_state
         # Position t predicts token t+1: counted where t+1 is an answer token. Only those rows go through
         # the student's LM head, so the [B, T, V] student logits are never formed.
         counted = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
-        student = self.student.get_output_embeddings()(hidden[:, :-1][counted]).float()  # [M, V]
+        student = lm.get_output_embeddings()(hidden[:, :-1][counted]).float()  # [M, V]
         teacher = target_out.logits[:, :-1][counted]  # [M, V]
         everywhere = torch.ones(student.shape[:-1], device=student.device)
         cfg = self.config
@@ -302,21 +334,29 @@ class DistillSpecDrafter(nn.Module):
         # imported here: the drafters stay importable without the decoder
         from ..decoding.sources import DraftLMSource
 
-        return DraftLMSource(self.student)
+        return DraftLMSource(self.lm())
 
     def save_pretrained(self, path) -> None:
         """A plain transformers folder (config, safetensors, tokenizer) that vLLM and SGLang serve as a
         draft model, with the recipe's settings under config.json's ``distillspec`` (load_drafter reads
-        ``family``); model.safetensors is the student's state_dict, as a resume restores it."""
+        ``family``); model.safetensors is the student's state_dict, as a resume restores it. A LoRA
+        student is saved merged into a copy (the live one keeps training), plus adapter/ (peft's format)
+        and trained.safetensors (its lora tensors: what a resume restores)."""
         path = Path(path)
         if path.exists() and any(path.iterdir()) and not (path / "config.json").is_file():
             raise SpecdraftError(f"{path} exists and is not a saved drafter; save to a new or empty folder")
-        self.student.config.family = self.family
-        self.student.config.distillspec = asdict(self.config)
+        lora = self.lm() is not self.student
+        served = copy.deepcopy(self.student).merge_and_unload() if lora else self.student
+        served.config.family = self.family
+        served.config.distillspec = asdict(self.config)
         with atomic_folder(path) as tmp:
-            self.student.save_pretrained(tmp, safe_serialization=True)
+            served.save_pretrained(tmp, safe_serialization=True)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
+            if lora:
+                self.student.save_pretrained(str(tmp / "adapter"))
+                save_file({n: p.detach().cpu().contiguous() for n, p in self.student.named_parameters()
+                           if p.requires_grad}, str(tmp / "trained.safetensors"))
 
 
 def answered_row(prompt: torch.Tensor, continuation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +369,11 @@ def answered_row(prompt: torch.Tensor, continuation: torch.Tensor) -> tuple[torc
 
 def build_distillspec(target, cfg: DistillSpecConfig, draft_vocab=None) -> DistillSpecDrafter:
     distillspec_needs(cfg, target.config)  # the checks, before any weight is made
-    drafter = DistillSpecDrafter(target, cfg, new_student(target, cfg))
+    student = new_student(target, cfg)
+    if cfg.lora_r is not None:
+        student = with_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                            whose="student")
+    drafter = DistillSpecDrafter(target, cfg, student)
     target.require(drafter.needs)
     return drafter
 
@@ -357,7 +401,7 @@ def write_model_folder(drafter_dir: Path, tmp: Path, out: Path, opts) -> None:
     import shutil
 
     for item in drafter_dir.iterdir():
-        if item.is_file():
+        if item.is_file() and item.name != "trained.safetensors":  # a LoRA student's resume state, not served
             shutil.copy2(item, tmp / item.name)
 
 
@@ -386,4 +430,5 @@ DISTILLSPEC = Family(
     build=build_distillspec,
     load=load_distillspec,
     exporters={"hf": FolderExporter(write_model_folder, check_model_folder, SERVE_HINT)},
+    check_recipe=check_distillspec_recipe,
 )

@@ -48,6 +48,7 @@ from ..contract import (
 )
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
+from ..lora import LORA_MODULES, check_lora_modules, check_lora_settings, with_lora
 from ..losses import forward_kl
 from .eagle_common import target_config_dict
 from .medusa import (
@@ -59,7 +60,6 @@ from .medusa import (
     medusa_needs,
 )
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCHEDULES = ("constant", "linear", "sine")
 
 
@@ -86,12 +86,9 @@ class Medusa2Config(MedusaConfig):
                                  f"{self.heads_schedule!r}")
         if not 0.0 < self.heads_warmup_ratio <= 1.0:
             raise SpecdraftError(f"drafter.heads_warmup_ratio must be in (0, 1], got {self.heads_warmup_ratio}")
-        for name in ("lora_r", "lora_alpha"):
-            if getattr(self, name) < 1:
-                raise SpecdraftError(f"drafter.{name} must be >= 1")
-        if not 0.0 <= self.lora_dropout < 1.0 or self.heads_coefficient < 0 or self.head_lr_multiplier <= 0:
-            raise SpecdraftError("drafter.lora_dropout must be in [0, 1), heads_coefficient >= 0, "
-                                 "head_lr_multiplier > 0")
+        check_lora_settings(self.lora_r, self.lora_alpha, self.lora_dropout)
+        if self.heads_coefficient < 0 or self.head_lr_multiplier <= 0:
+            raise SpecdraftError("drafter.heads_coefficient must be >= 0 and head_lr_multiplier > 0")
         if self.joint_from_step < 0:
             raise SpecdraftError("drafter.joint_from_step must be >= 0 (0: joint training from the start)")
 
@@ -107,18 +104,6 @@ def heads_schedule(cfg: Medusa2Config, step: int, total_steps: int) -> float:
     return progress if cfg.heads_schedule == "linear" else math.sin(progress * math.pi / 2)
 
 
-def check_lora_modules(cfg: Medusa2Config, model: nn.Module) -> None:
-    """LoRA goes on Linear modules of these names. A name the target lacks is refused, listing those it
-    has (peft itself only says it found none of them)."""
-    head = model.get_output_embeddings()
-    have = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if isinstance(m, nn.Linear) and m is not head})
-    missing = sorted(set(cfg.lora_target_modules) - set(have))
-    if missing:
-        raise SpecdraftError(f"drafter.lora_target_modules names {missing}, which this target does not have; its "
-                             f"Linear modules are {have} (the LM head left out)")
-
-
 def medusa2_needs(cfg: Medusa2Config, target_config) -> TargetNeeds:
     """Full logits (the KL to the original), the final hidden state (the heads), trained adapters. The LoRA
     names are checked on a meta-device copy of the target: no weight loads."""
@@ -126,7 +111,7 @@ def medusa2_needs(cfg: Medusa2Config, target_config) -> TargetNeeds:
 
     medusa_needs(cfg, target_config)
     with torch.device("meta"):
-        check_lora_modules(cfg, AutoModelForCausalLM.from_config(target_config))
+        check_lora_modules(cfg.lora_target_modules, AutoModelForCausalLM.from_config(target_config))
     return TargetNeeds(logits="full", final_hidden=True, trains_adapters=True)
 
 
@@ -137,16 +122,12 @@ _ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def adapt(target, cfg: Medusa2Config):
     """LoRA adapters inside ``target.model`` (peft injects them in place, so the target's own forward runs
     through them); returns the PeftModel, for ``disable_adapter()`` and peft's save format."""
-    from peft import LoraConfig, get_peft_model
-
     if target in _ADAPTED:
         return _ADAPTED[target]
-    check_lora_modules(cfg, target.model)
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules))
     # eval(): the target stays in eval mode (peft's new dropout modules start in train mode); the loop
     # puts the trained module, adapters included, in train mode while it trains.
-    _ADAPTED[target] = get_peft_model(target.model, lora).eval()
+    _ADAPTED[target] = with_lora(target.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                 cfg.lora_target_modules).eval()
     return _ADAPTED[target]
 
 
