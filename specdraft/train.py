@@ -129,6 +129,11 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
 # -- build the run ------------------------------------------------------------------------------
 
 
+# Shown beside the progress bar when a family logs them: alpha (DistillSpec's predicted acceptance)
+# and generate_s (its on-policy generation, reported apart from the step's other costs).
+PROGRESS_METRICS = ("loss", "acc_0", "sim_accept_len", "alpha", "generate_s", "tokens_per_s")
+
+
 def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> TargetNeeds:
     """Everything that can be checked before the target's weights load: the run folder rules, the
     data files, the eval prompt file, the feature cache, and what the family needs of this target
@@ -303,7 +308,7 @@ def run_steps(run: Run, stop: StopRequested, bar) -> bool:
             if state.step % tcfg.log_every == 0 or state.step == run.total_steps:
                 logs = log_train(run, window, inner.prepare_seconds)
                 bar.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in logs.items()
-                                 if k.split("/")[-1] in ("loss", "acc_0", "sim_accept_len", "tokens_per_s")})
+                                 if k.split("/")[-1] in PROGRESS_METRICS})
                 window = LogWindow(prepare_seconds_at_start=inner.prepare_seconds)
             if tcfg.eval_every and state.step % tcfg.eval_every == 0:
                 log_metrics(run, evaluate(run))
