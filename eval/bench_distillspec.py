@@ -118,6 +118,26 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
             "ceiling": round(seconds["transformers"] / seconds["specdraft_forwards"], 2)}
 
 
+def fitting_prompts(target, prompts, max_new_tokens: int) -> list:
+    return [p for p in prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * max_new_tokens
+            < target.config.max_position_embeddings]
+
+
+def assisted_only(work: Path, target_dir: Path, eval_prompts, max_new_tokens: int) -> None:
+    """Step 4 again, on the grid's T=0 winner as the last full run recorded it."""
+    if not (work / "results.json").is_file():
+        sys.exit(f"--assisted-only needs a finished grid in {work} (results.json): run without it first")
+    recorded = json.loads((work / "results.json").read_text())
+    name = recorded["winners"]["0.0"]
+    folder = work / "runs" / name / "drafter"
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    assisted = {"student": name, **assisted_against_specdraft(target, load_drafter(folder, target).eval(),
+                                                              fitting_prompts(target, eval_prompts, max_new_tokens),
+                                                              max_new_tokens)}
+    (work / "assisted.json").write_text(json.dumps(assisted, indent=1))
+    print(json.dumps(assisted))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="toy")
@@ -133,6 +153,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--assisted-only", action="store_true",
+                        help="only step 4, on the T=0 winner of the grid WORK/results.json holds (same prompts); "
+                             "writes WORK/assisted.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -147,12 +170,14 @@ def main() -> None:
                                         args.answer_dtype)
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
                  "eval.enabled=false", f"training.max_steps={args.steps}", *args.set]
+    if args.assisted_only:
+        assisted_only(work, target_dir, eval_prompts, args.max_new_tokens)
+        return
     trained = train_runs({name: ("distillspec", recipe, overrides + cell) for name, cell in cells().items()},
                          work, args.train_jobs, [answers, heldout_answers])
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
-    fits = [p for p in eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens
-            < target.config.max_position_embeddings]
+    fits = fitting_prompts(target, eval_prompts, args.max_new_tokens)
     students = {name: load_drafter(run["drafter"], target).eval() for name, run in trained.items()}
     students["init-only"] = load_drafter(untrained_student(recipe, target, work), target).eval()
     results = evaluate_at_temperatures(target, students, fits, args.max_new_tokens, work / "eval")

@@ -36,10 +36,14 @@ def test_draft_lm_proposes_its_own_greedy_continuation():
     proposal = source.propose(pending, 4, GREEDY, None)
     expected = model.generate(torch.cat([prompt, pending], 1), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert proposal.tokens.tolist() == [expected[0, 6:].tolist()]
-    # q is the warped draft distribution: one-hot on each greedy draft.
-    assert proposal.probs.shape == (1, 4, VOCAB)
-    assert torch.equal(proposal.probs.argmax(-1), proposal.tokens)
-    assert torch.allclose(proposal.probs.sum(-1), torch.ones(1, 4))  # to float32 rounding: allclose's rtol 1e-5
+    # Greedy q is one-hot on each draft, which Proposal.probs None says without forming [1, 4, V].
+    assert proposal.probs is None
+    # Sampling: q is the warped draft distribution, one row per draft.
+    source.start(prompt, fake_target_out(5))
+    sampled = source.propose(pending, 4, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert sampled.probs.shape == (1, 4, VOCAB)
+    assert torch.allclose(sampled.probs.sum(-1), torch.ones(1, 4))  # to float32 rounding: allclose's rtol 1e-5
+    assert (sampled.probs.gather(-1, sampled.tokens[..., None]) > 0).all()
 
 
 @pytest.mark.parametrize("num_accepted", [0, 2, 4])

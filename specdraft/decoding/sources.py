@@ -53,11 +53,15 @@ class DraftLMSource:
                 input_ids=self._to_draft_ids(next_input), past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
             self.unread = next_input[:, :0]  # read now
-            q = logits_to_probs(self._to_target_logits(out.logits[:, -1]), params)  # [1, V_target], warped like p
-            next_input = (q.argmax(-1) if params.is_greedy else sample(q, generator)).view(1, 1)
+            logits = self._to_target_logits(out.logits[:, -1])  # [1, V_target]
+            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
+                next_input = logits.argmax(-1).view(1, 1)
+            else:
+                q = logits_to_probs(logits, params)  # warped like p
+                next_input = sample(q, generator).view(1, 1)
+                probs.append(q)
             tokens.append(next_input)
-            probs.append(q)
-        return Proposal(torch.cat(tokens, dim=1), torch.stack(probs, dim=1))
+        return Proposal(torch.cat(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
 
     def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         self.num_committed += kept_ids.shape[1]

@@ -73,9 +73,8 @@ def speculative_decode(
     budget = check_decode_args(target, prompt_ids, max_new_tokens, k=k, lenience=lenience)
     stop_ids = _stop_ids(eos_token_ids)
     device = prompt_ids.device
-    greedy = torch.tensor([params.is_greedy], device=device)
+    sampled_row = torch.tensor([False], device=device)  # verify's per-row greedy flag: it runs when sampling
     vocab_size = target.vocab_size
-    ones = torch.ones(1, vocab_size, device=device)  # greedy needs no noise: argmax p / 1 = argmax p
     start = _clock(device)
 
     # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
@@ -108,19 +107,28 @@ def speculative_decode(
         # One forward over K'+1 positions: logits[:, i] is p_{i+1}, the target's next-token
         # distribution after [.., pending, d_1..d_i], warped exactly as q was.
         out = target(torch.cat([pending, drafts], dim=1), past_key_values=cache, use_cache=True)
-        p = logits_to_probs(out.logits[0], params)  # [K'+1, V]
-        # One Exp(1) draw per vocab entry serves both the bonus token and the token recovered
-        # after a rejection: a step uses exactly one of the two, so sharing it keeps both exact.
-        noise = ones if params.is_greedy else draw_exponentials(1, vocab_size, generator, device)
-        if typical_acceptance:
-            emitted, num_accepted = _typical_verify(drafts[0], p, noise)
+        if params.is_greedy:
+            # Greedy verification is a comparison: d_1..d_n are the drafts equal to the target's argmax
+            # at their position, and the argmax after them is the next token (no V-wide p, no q needed:
+            # lenience and typical acceptance keep exactly these drafts at a one-hot p as well).
+            best = out.logits[0].argmax(-1)  # [K'+1]
+            matches = drafts[0] == best[:num_drafts]
+            num_accepted = matches.int().cumprod(0).sum().view(1)
+            emitted, p = best.view(1, -1), None
         else:
-            bonus = sample_with_exponentials(p[num_drafts:], noise)  # [1] ~ p_{K'+1}
-            emitted, num_accepted = verify_lib.verify(
-                drafts[0], torch.full((1,), num_drafts, device=device), None if q is None else q[0],
-                p[:num_drafts], bonus, draw_uniforms(num_drafts, generator, device), noise, greedy,
-                max_spec_len=num_drafts, lenience=lenience,
-            )  # fmt: skip
+            p = logits_to_probs(out.logits[0], params)  # [K'+1, V]
+            # One Exp(1) draw per vocab entry serves both the bonus token and the token recovered
+            # after a rejection: a step uses exactly one of the two, so sharing it keeps both exact.
+            noise = draw_exponentials(1, vocab_size, generator, device)
+            if typical_acceptance:
+                emitted, num_accepted = _typical_verify(drafts[0], p, noise)
+            else:
+                bonus = sample_with_exponentials(p[num_drafts:], noise)  # [1] ~ p_{K'+1}
+                emitted, num_accepted = verify_lib.verify(
+                    drafts[0], torch.full((1,), num_drafts, device=device), None if q is None else q[0],
+                    p[:num_drafts], bonus, draw_uniforms(num_drafts, generator, device), noise, sampled_row,
+                    max_spec_len=num_drafts, lenience=lenience,
+                )  # fmt: skip
         # The one host sync a step needs: how many drafts survived, and the tokens.
         n, *row = torch.cat([num_accepted, emitted[0]]).tolist()
         new_tokens = row[: n + 1]  # d_1..d_n, then the correction or bonus token
@@ -131,7 +139,9 @@ def speculative_decode(
         source.commit(torch.cat([pending, drafts[:, :n]], dim=1), out.slice(slice(0, n + 1)))
         t3 = _clock(device)
         tested = min(n + 1, num_drafts)  # the n accepted drafts and the rejected one
-        alphas.append(_predicted_alpha(p[:tested], None if q is None else q[0, :tested], drafts[0, :tested]))
+        # sum_x min(p, q) with p one-hot (greedy) is 1 where the draft is the argmax, whatever q is
+        alphas.append(matches[:tested].float() if p is None else
+                      _predicted_alpha(p[:tested], None if q is None else q[0, :tested], drafts[0, :tested]))
         steps.append(StepStats(num_drafts, n, (t1 - t0) + (t3 - t2), t2 - t1))
         pending = emitted[:, n : n + 1]  # the new chosen-but-unverified token, still on the device
         tokens.extend(new_tokens)
