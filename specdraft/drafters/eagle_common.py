@@ -125,7 +125,8 @@ class KVCache:
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, cache_kwargs=None):
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, cache_kwargs=None, **kwargs):
+        # **kwargs: transformers >= 5.24 passes the attention call's kwargs through (`kwargs=kwargs`)
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
