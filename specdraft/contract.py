@@ -100,8 +100,11 @@ class Proposal:
     """Drafted tokens, in *target* vocabulary ids, with the draft distribution q of each.
 
     A proposal is a tree of K nodes: node k's parent is ``parents[:, k]``, -1 meaning the pending
-    token (the root). ``parents=None`` is the chain, node k's parent being node k-1: every
-    decoder in specdraft verifies chains, and refuses a real tree until tree verification lands.
+    token (the root), in topological order (a parent before its children), with no two siblings
+    sharing a token. ``parents=None`` is the chain, node k's parent being node k-1. The decoder
+    verifies a tree in one target forward with a tree attention mask (``specdraft.decoding.trees``);
+    sources draft trees through ``propose_tree(pending, tree, params, generator)`` when asked by
+    ``specdraft.decoding.speculative.TreeDrafting``.
 
     ``probs[:, k]`` is the (warped) draft distribution that ``tokens[:, k]`` was drawn from,
     over the target vocabulary. ``None`` means the drafts are deterministic (q is one-hot on the

@@ -232,3 +232,42 @@ def test_cli_command_is_wired():
     from specdraft.cli import COMMANDS
 
     assert COMMANDS["eval"][0] == "specdraft.evaluation.run"
+
+
+def test_evaluate_in_batches_matches_one_at_a_time(tmp_path, tiny_target):
+    """--batch-size 3: prompts decoded together, turn by turn (two of the four questions have a second turn);
+    every method still emits plain decoding's tokens, and throughput counts each batch's wall clock once."""
+    suite = write_jsonl(tmp_path / "bench.jsonl", QUESTIONS)
+    draft = tiny_llama(len(tiny_target.tokenizer), seed=0)
+    one = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft), "lookup": PromptLookupSource}, suite, k=3,
+                            max_new_tokens=10, show_progress=False)  # fmt: skip
+    batched = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft), "lookup": PromptLookupSource}, suite,
+                                k=3, max_new_tokens=10, show_progress=False, batch_size=3)  # fmt: skip
+    assert batched["config"]["batch_size"] == 3 and batched["greedy_identical"] == {"same": 1.0, "lookup": 1.0}
+    for name in ("plain", "same", "lookup"):
+        a, b = one["methods"][name]["overall"], batched["methods"][name]["overall"]
+        assert a["num_tokens"] == b["num_tokens"] and a["acceptance_length"] == b["acceptance_length"]
+        assert b["total_tokens_per_second"] > b["tokens_per_second"]  # rows share each batch's clock
+        assert a["total_tokens_per_second"] == pytest.approx(a["tokens_per_second"])
+    with pytest.raises(SpecdraftError, match="batches verify exactly"):
+        eval_run.evaluate(tiny_target, {}, suite, batch_size=2, lenience=0.5, show_progress=False)
+
+
+def test_cli_tree_methods(tmp_path, capsys):
+    """--tree adds a tree method for each drafter that can draft it, and says which cannot."""
+    from specdraft.drafters import get_family
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    fam = get_family("medusa1")
+    fam.build(target, fam.config_cls(num_heads=3)).save_pretrained(tmp_path / "heads")
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    args = cli_args(["--target", str(target_dir), "--drafter", str(tmp_path / "heads"), "--tree", "medusa-8",
+                     "--tree", "eagle2-small", "--prompts", str(suite), "--num-prompts", "1", "--max-new-tokens", "8",
+                     "--dtype", "float32", "--no-progress", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert eval_run.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "heads cannot draft a dynamic tree (eagle2-small)" in printed
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert list(result["methods"]) == ["plain", "heads", "heads tree:medusa-8"]
+    assert result["greedy_identical"] == {"heads": 1.0, "heads tree:medusa-8": 1.0}

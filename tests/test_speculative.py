@@ -236,7 +236,9 @@ class Fixed(PromptLookupSource):
         return Proposal(torch.ones(1, k, dtype=torch.long), None, self.parents[:, :k])
 
 
-def test_a_proposal_is_a_chain_or_a_tree_and_trees_are_refused_until_tree_verification(target):
+def test_a_proposal_is_a_chain_or_a_tree(target):
+    """parents=None and parents -1, 0, 1, .. are both chains; a tree goes through tree verification, whose
+    first proposal of a call is checked (here: two siblings with the same token, which no tree may have)."""
     chain = torch.tensor([[-1, 0, 1]])
     assert Proposal(torch.ones(1, 3, dtype=torch.long), None).is_chain()
     assert Proposal(torch.ones(1, 3, dtype=torch.long), None, chain).is_chain()
@@ -244,7 +246,7 @@ def test_a_proposal_is_a_chain_or_a_tree_and_trees_are_refused_until_tree_verifi
     assert not Proposal(torch.ones(1, 3, dtype=torch.long), None, tree).is_chain()
     expected = plain_decode(target, prompts(2)[1], max_new_tokens=6).tokens
     assert speculative_decode(target, Fixed(chain), prompts(2)[1], k=3, max_new_tokens=6).tokens == expected
-    with pytest.raises(SpecdraftError, match="returned a tree.*verifies chains only"):
+    with pytest.raises(SpecdraftError, match="siblings .* same token"):
         speculative_decode(target, Fixed(tree), prompts(2)[1], k=3, max_new_tokens=6)
 
 

@@ -15,6 +15,7 @@ Batch size 1: one prompt at a time (rows of a batch would accept different numbe
 
 from __future__ import annotations
 
+import copy
 import time
 from itertools import islice
 from dataclasses import dataclass, field
@@ -23,6 +24,15 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.decoding import verify as verify_lib
+from specdraft.decoding.tree_verify import verify_tree
+from specdraft.decoding.trees import (
+    DynamicTree,
+    StaticTree,
+    ancestor_matrix,
+    check_tree,
+    tree_attention_mask,
+    tree_depths,
+)  # fmt: skip
 from specdraft.decoding.sampling import (
     SamplingParams,
     draw_exponentials,
@@ -38,13 +48,19 @@ from specdraft.errors import SpecdraftError
 class StepStats:
     """What one draft-and-verify step did."""
 
-    num_drafted: int  # K' <= K: a source may propose fewer (prompt lookup without a match: 0)
+    num_drafted: int  # K' <= K: a source may propose fewer (prompt lookup without a match: 0); a tree's nodes
     num_accepted: int  # n: the step emitted n + 1 tokens
     draft_seconds: float  # propose + commit
     target_seconds: float  # the (K'+1)-position forward + verify + cache rollback
     # alpha predicted = sum_x min(p(x), q(x)) at each *tested* position: the n accepted drafts
     # and the rejected one. Later positions were conditioned on a rejected token: not counted.
+    # Empty for a tree step.
     alpha_predicted: list[float] = field(default_factory=list)
+    depth: int | None = None  # a tree's depth: the most drafts the step could accept (None: a chain, K')
+
+    @property
+    def max_accepted(self) -> int:
+        return self.num_drafted if self.depth is None else self.depth
 
 
 @dataclass
@@ -52,7 +68,8 @@ class DecodeOutput:
     tokens: list[int]  # generated tokens (prompt excluded), ending with the stop token if one was hit
     steps: list[StepStats]  # empty for plain decoding
     prefill_seconds: float  # prompt forward + source.start + first token
-    seconds: float  # wall clock of the whole call
+    seconds: float  # wall clock of the whole call (batched: of the whole batch)
+    batch_rows: int = 1  # prompts decoded together in that call (``speculative_decode_batch``)
 
 
 @torch.no_grad()
@@ -68,14 +85,16 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     lenience: float = 1.0,  # LOSSY below 1: accept while u < p / (lenience * q)
     typical_acceptance: bool = False,  # LOSSY: Medusa's typical acceptance instead of exact verify
+    timing: bool = True,  # split each step's time into draft and target (on CUDA: a sync per split)
 ) -> DecodeOutput:
-    """Generate up to ``max_new_tokens`` tokens with drafts from ``source``, K per step."""
+    """Generate up to ``max_new_tokens`` tokens with drafts from ``source``, K per step (a tree each step
+    if the source proposes one, see ``TreeDrafting``). ``timing=False`` leaves the steps' seconds at 0 and
+    the hot loop free of clock syncs; the whole call is still timed."""
     budget = check_decode_args(target, prompt_ids, max_new_tokens, k=k, lenience=lenience)
     stop_ids = _stop_ids(eos_token_ids)
     device = prompt_ids.device
-    sampled_row = torch.tensor([False], device=device)  # verify's per-row greedy flag: it runs when sampling
-    vocab_size = target.vocab_size
     start = _clock(device)
+    clock = (lambda: _clock(device)) if timing else (lambda: 0.0)
 
     # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
     # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
@@ -88,70 +107,33 @@ def speculative_decode(
     prefill_seconds = _clock(device) - start
 
     while len(tokens) < budget and tokens[-1] not in stop_ids:
-        t0 = _clock(device)
+        t0 = clock()
         k_step = min(k, budget - len(tokens))  # never draft past the budget (or the context)
         proposal = source.propose(pending, k_step, params, generator)
-        if not proposal.is_chain():
-            raise SpecdraftError(
-                f"{type(source).__name__}.propose returned a tree (Proposal.parents); this decoder verifies chains "
-                "only. Propose a chain (parents=None) until tree verification lands."
-            )
-        drafts, q = proposal.tokens, proposal.probs  # [1, K'], [1, K', V] or None (one-hot q)
-        num_drafts = drafts.shape[1]
-        if num_drafts > k_step:
-            raise SpecdraftError(
-                f"{type(source).__name__}.propose returned {num_drafts} drafts, asked for at most {k_step}"
-            )
-        t1 = _clock(device)
-
-        # One forward over K'+1 positions: logits[:, i] is p_{i+1}, the target's next-token
-        # distribution after [.., pending, d_1..d_i], warped exactly as q was.
-        out = target(torch.cat([pending, drafts], dim=1), past_key_values=cache, use_cache=True)
-        if params.is_greedy:
-            # Greedy verification is a comparison: d_1..d_n are the drafts equal to the target's argmax
-            # at their position, and the argmax after them is the next token (no V-wide p, no q needed:
-            # lenience and typical acceptance keep exactly these drafts at a one-hot p as well).
-            best = out.logits[0].argmax(-1)  # [K'+1]
-            matches = drafts[0] == best[:num_drafts]
-            num_accepted = matches.int().cumprod(0).sum().view(1)
-            emitted, p = best.view(1, -1), None
-        else:
-            p = logits_to_probs(out.logits[0], params)  # [K'+1, V]
-            # One Exp(1) draw per vocab entry serves both the bonus token and the token recovered
-            # after a rejection: a step uses exactly one of the two, so sharing it keeps both exact.
-            noise = draw_exponentials(1, vocab_size, generator, device)
-            if typical_acceptance:
-                emitted, num_accepted = _typical_verify(drafts[0], p, noise)
-            else:
-                bonus = sample_with_exponentials(p[num_drafts:], noise)  # [1] ~ p_{K'+1}
-                emitted, num_accepted = verify_lib.verify(
-                    drafts[0], torch.full((1,), num_drafts, device=device), None if q is None else q[0],
-                    p[:num_drafts], bonus, draw_uniforms(num_drafts, generator, device), noise, sampled_row,
-                    max_spec_len=num_drafts, lenience=lenience,
-                )  # fmt: skip
-        # The one host sync a step needs: how many drafts survived, and the tokens.
-        n, *row = torch.cat([num_accepted, emitted[0]]).tolist()
-        new_tokens = row[: n + 1]  # d_1..d_n, then the correction or bonus token
-
-        # Roll back: the cache holds [.., pending, d_1..d_K']; keep [.., pending, d_1..d_n].
-        cache.crop(-(num_drafts - n))
-        t2 = _clock(device)
-        source.commit(torch.cat([pending, drafts[:, :n]], dim=1), out.slice(slice(0, n + 1)))
-        t3 = _clock(device)
-        tested = min(n + 1, num_drafts)  # the n accepted drafts and the rejected one
-        # sum_x min(p, q) with p one-hot (greedy) is 1 where the draft is the argmax, whatever q is
-        alphas.append(matches[:tested].float() if p is None else
-                      _predicted_alpha(p[:tested], None if q is None else q[0, :tested], drafts[0, :tested]))
-        steps.append(StepStats(num_drafts, n, (t1 - t0) + (t3 - t2), t2 - t1))
-        pending = emitted[:, n : n + 1]  # the new chosen-but-unverified token, still on the device
-        tokens.extend(new_tokens)
-        if stop_ids.intersection(new_tokens):  # an accepted draft may be the stop token, not just the last
+        if not steps:  # a source's first proposal of a call is checked; later ones are trusted (no syncs)
+            _check_proposal(source, proposal, k_step)
+        t1 = clock()
+        if proposal.parents is None:
+            step = _verify_chain(target, cache, pending, proposal, params, generator, lenience, typical_acceptance,
+                                 check=not steps)  # fmt: skip
+        else:  # a tree: every node verified in the one forward, with a tree attention mask
+            step = _verify_tree(target, cache, pending, proposal, params, generator, typical_acceptance)
+        t2 = clock()
+        source.commit(step.kept_ids, step.kept_out)
+        t3 = clock()
+        steps.append(StepStats(proposal.tokens.shape[1], len(step.tokens) - 1, (t1 - t0) + (t3 - t2), t2 - t1,
+                               depth=step.depth))  # fmt: skip
+        alphas.append(step.alpha_predicted)
+        pending = step.pending  # the new chosen-but-unverified token, still on the device
+        tokens.extend(step.tokens)
+        if stop_ids.intersection(step.tokens):  # an accepted draft may be the stop token, not just the last
             break
 
     # alpha predicted stayed on the device during decoding; bring it to the host once.
-    flat = iter(torch.cat(alphas).tolist()) if alphas else iter(())
+    chain_alphas = [a for a in alphas if a is not None]
+    flat = iter(torch.cat(chain_alphas).tolist()) if chain_alphas else iter(())
     for step, alpha in zip(steps, alphas):
-        step.alpha_predicted = list(islice(flat, alpha.numel()))
+        step.alpha_predicted = [] if alpha is None else list(islice(flat, alpha.numel()))
     tokens = _truncate(tokens, budget, stop_ids)
     return DecodeOutput(tokens, steps, prefill_seconds, _clock(device) - start)
 
@@ -218,6 +200,183 @@ def _next_token(logits: torch.Tensor, params: SamplingParams, generator) -> torc
     if params.is_greedy:
         return logits.argmax(-1, keepdim=True)
     return sample(logits_to_probs(logits, params), generator).view(1, 1)
+
+
+@dataclass
+class _Verified:
+    """What one verify step decided."""
+
+    tokens: list[int]  # the accepted drafts, then the correction or bonus token
+    kept_ids: torch.Tensor  # [1, n+1]: pending and the accepted drafts, what the source commits
+    kept_out: object  # TargetOutputs for exactly those positions
+    pending: torch.Tensor  # [1, 1] the next chosen-but-unverified token
+    alpha_predicted: torch.Tensor | None  # sum_x min(p, q) at each tested position (chains), on the device
+    depth: int | None = None  # a tree's depth (None for a chain)
+
+
+def _verify_chain(target, cache, pending, proposal, params, generator, lenience, typical_acceptance,
+                  check) -> _Verified:
+    """One forward over K'+1 positions, then keep d_1..d_n and one more token; roll the cache back."""
+    drafts, q = proposal.tokens, proposal.probs  # [1, K'], [1, K', V] or None (one-hot q)
+    num_drafts, device = drafts.shape[1], drafts.device
+    # logits[:, i] is p_{i+1}, the target's next-token distribution after [.., pending, d_1..d_i], warped as q was.
+    out = target(torch.cat([pending, drafts], dim=1), past_key_values=cache, use_cache=True)
+    if params.is_greedy:
+        # Greedy verification is a comparison: d_1..d_n are the drafts equal to the target's argmax
+        # at their position, and the argmax after them is the next token (no V-wide p, no q needed:
+        # lenience and typical acceptance keep exactly these drafts at a one-hot p as well).
+        best = out.logits[0].argmax(-1)  # [K'+1]
+        matches = drafts[0] == best[:num_drafts]
+        num_accepted = matches.int().cumprod(0).sum().view(1)
+        emitted, p = best.view(1, -1), None
+    else:
+        p = logits_to_probs(out.logits[0], params)  # [K'+1, V]
+        # One Exp(1) draw per vocab entry serves both the bonus token and the token recovered
+        # after a rejection: a step uses exactly one of the two, so sharing it keeps both exact.
+        noise = draw_exponentials(1, p.shape[-1], generator, device)
+        if typical_acceptance:
+            emitted, num_accepted = _typical_verify(drafts[0], p, noise)
+        else:
+            bonus = sample_with_exponentials(p[num_drafts:], noise)  # [1] ~ p_{K'+1}
+            emitted, num_accepted = verify_lib.verify(
+                drafts[0], torch.full((1,), num_drafts, device=device), None if q is None else q[0],
+                p[:num_drafts], bonus, draw_uniforms(num_drafts, generator, device), noise,
+                torch.zeros(1, dtype=torch.bool, device=device), max_spec_len=num_drafts, lenience=lenience,
+                check=check,
+            )  # fmt: skip
+    # The one host sync a step needs: how many drafts survived, and the tokens.
+    n, *row = torch.cat([num_accepted, emitted[0]]).tolist()
+    # Roll back: the cache holds [.., pending, d_1..d_K']; keep [.., pending, d_1..d_n].
+    cache.crop(-(num_drafts - n))
+    tested = min(n + 1, num_drafts)  # the n accepted drafts and the rejected one
+    # sum_x min(p, q) with p one-hot (greedy) is 1 where the draft is the argmax, whatever q is
+    alpha = (matches[:tested].float() if p is None else
+             _predicted_alpha(p[:tested], None if q is None else q[0, :tested], drafts[0, :tested]))
+    return _Verified(row[: n + 1], torch.cat([pending, drafts[:, :n]], dim=1), out.slice(slice(0, n + 1)),
+                     emitted[:, n : n + 1], alpha)  # fmt: skip
+
+
+def _verify_tree(target, cache, pending, proposal, params, generator, typical_acceptance) -> _Verified:
+    """Verify a tree proposal: one target forward over [pending, node_1..node_N] with a tree attention mask
+    (each node sees the cache, the pending token and its ancestors, at position past + depth), pick the
+    accepted path, and leave exactly [.., pending, path] in the target's cache."""
+    drafts, parents = proposal.tokens[0], proposal.parents[0].long()
+    device, num_nodes = drafts.device, drafts.shape[0]
+    past = cache.get_seq_length()
+    ancestors = ancestor_matrix(parents)  # [N, N]: node j is node i or one of its ancestors
+    depths = ancestors.sum(1)  # [N], 1 for the root's children
+    positions = (past + torch.cat([depths.new_zeros(1), depths]))[None]
+    out = target(torch.cat([pending, drafts[None]], dim=1), attention_mask=tree_attention_mask(ancestors, past),
+                 position_ids=positions, past_key_values=cache, use_cache=True)  # fmt: skip
+    logits = out.logits[0]  # [N+1, V]: row 0 is p after the pending token, row i+1 p after node i
+    if params.is_greedy or typical_acceptance:
+        # A node passes if its token is the argmax (greedy) or typical (LOSSY) under its parent's p; the accepted
+        # path is the deepest node whose ancestors all pass (greedy: at most one child per node can, as siblings
+        # differ). Ties between equally deep typical nodes go to the lowest index.
+        p = None if params.is_greedy else logits_to_probs(logits, params)
+        parent_rows = parents + 1
+        if p is None:
+            best = logits.argmax(-1)
+            passes = drafts == best[parent_rows]
+        else:
+            passes = verify_lib.typical_acceptance(drafts[:, None], p[parent_rows][:, None]) > 0
+        on_path = (ancestors <= passes[None]).all(1)  # every ancestor (and itself) passes
+        score = torch.where(on_path, depths * (num_nodes + 1) - torch.arange(num_nodes, device=device), -1)
+        last = torch.where(on_path.any(), score.argmax(), -1)  # the deepest accepted node, -1: none
+        if p is None:
+            final = best[last + 1]
+        else:
+            final = sample_with_exponentials(p[last + 1], draw_exponentials(1, p.shape[-1], generator, device)[0])
+        path_mask = ancestors[last.clamp_min(0)] & (last >= 0)
+        # The one host sync of the step: the path, the final token, the tree's depth, the nodes' tokens.
+        host = torch.cat([path_mask.long(), drafts, final.view(1), depths.max().view(1)]).tolist()
+        path = [i for i in range(num_nodes) if host[i]]
+        tokens, depth = [host[num_nodes + i] for i in path] + [host[-2]], host[-1]
+    else:
+        p = logits_to_probs(logits, params)
+        vocab = p.shape[-1]
+        output, nodes, num_accepted = verify_tree(
+            drafts, parents, torch.full((1,), num_nodes, device=device),
+            None if proposal.probs is None else proposal.probs[0], p,
+            draw_uniforms(num_nodes, generator, device), draw_exponentials(1, vocab, generator, device),
+            torch.zeros(1, dtype=torch.bool, device=device), max_depth=num_nodes, check=False,
+        )  # fmt: skip
+        n, depth, *rest = torch.cat([num_accepted, depths.max().view(1), output[0], nodes[0]]).tolist()
+        tokens, path = rest[: n + 1], rest[num_nodes + 1 : num_nodes + 1 + n]
+    keep_cache_path(cache, past, path)
+    kept = torch.tensor([0] + [i + 1 for i in path], device=device)  # pending, then the path's nodes
+    return _Verified(tokens, torch.cat([pending, drafts[None, path]], dim=1), out.slice(kept),
+                     torch.tensor([[tokens[-1]]], device=device), None, depth)  # fmt: skip
+
+
+def keep_cache_path(cache, past: int, path: list[int]) -> None:
+    """After a tree verify the cache holds [.., pending, node_1..node_N] from position ``past``: keep the
+    pending token and the accepted ``path`` (node indices), moved into place, and drop the rest."""
+    length = past + 1 + len(path)
+    if path != list(range(len(path))):  # a prefix of the nodes is already in place
+        index = torch.tensor([past + 1 + i for i in path], device=cache.layers[0].keys.device)
+        for layer in cache.layers:
+            # index_select copies before the write, so overlapping source and destination are safe
+            layer.keys[:, :, past + 1 : length] = layer.keys.index_select(2, index)
+            layer.values[:, :, past + 1 : length] = layer.values.index_select(2, index)
+    extra = cache.get_seq_length() - length
+    if extra:
+        cache.crop(-extra)  # transformers' crop counts from the end when negative
+
+
+def _check_proposal(source, proposal, k: int) -> None:
+    """A chain of at most k drafts, or a well-formed tree at most k deep (host syncs: once per call)."""
+    name = type(source).__name__
+    tokens, parents = proposal.tokens, proposal.parents
+    if parents is None:
+        if tokens.shape[1] > k:
+            raise SpecdraftError(f"{name}.propose returned {tokens.shape[1]} drafts, asked for at most {k}")
+        return
+    if tokens.dim() != 2 or tokens.shape[0] != 1 or parents.shape != tokens.shape:
+        raise SpecdraftError(
+            f"{name} proposed a tree with tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)}; "
+            "both must be [1, N] (one prompt, N nodes)"
+        )
+    check_tree(parents, tokens)
+    depth = int(tree_depths(parents[0]).max()) if parents.numel() else 0
+    if depth > k:
+        raise SpecdraftError(
+            f"{name} proposed a tree {depth} deep, asked for at most {k} (k, or what is left of the token "
+            "budget): limit the tree's depth to k"
+        )
+
+
+class TreeDrafting:
+    """A ``DraftSource`` that drafts ``tree`` each step through ``source.propose_tree``: how the decoder and
+    ``evaluate`` are asked for tree decoding. The decoder's ``k`` caps the tree's depth (the budget's end
+    shortens it); ``evaluate`` passes ``depth``. A source lists the trees it drafts in ``tree_kinds``."""
+
+    def __init__(self, source, tree: StaticTree | DynamicTree):
+        kinds = getattr(source, "tree_kinds", ())
+        if not hasattr(source, "propose_tree") or not kinds:
+            raise SpecdraftError(
+                f"{type(source).__name__} drafts chains only (it has no propose_tree); trees are drafted by EAGLE-1/3 "
+                "(static or EAGLE-2 dynamic trees), Medusa heads and the MLP speculator (static trees)"
+            )
+        if tree.kind not in kinds:
+            raise SpecdraftError(
+                f"{type(source).__name__} drafts {' and '.join(kinds)} trees, not {tree.kind} ones: EAGLE-2's dynamic "
+                "trees need a drafter that reads its own drafts (EAGLE-1/3); use a static tree such as medusa-16"
+            )
+        self.source, self.tree, self.depth = source, tree, tree.depth
+
+    def fresh(self) -> TreeDrafting:
+        """An independent copy for another row of a batch (``batched.fresh_sources``)."""
+        return TreeDrafting(copy.copy(self.source), self.tree)
+
+    def start(self, prompt_ids, target_out) -> None:
+        self.source.start(prompt_ids, target_out)
+
+    def propose(self, pending, k: int, params, generator):
+        return self.source.propose_tree(pending, self.tree.limited(k), params, generator)
+
+    def commit(self, kept_ids, target_out) -> None:
+        self.source.commit(kept_ids, target_out)
 
 
 def _typical_verify(drafts: torch.Tensor, p: torch.Tensor, noise: torch.Tensor):

@@ -41,6 +41,7 @@ def verify(
     greedy: torch.Tensor,  # [batch] bool
     max_spec_len: int,
     lenience: float = 1.0,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output_token_ids [batch, max_spec_len + 1] padded with -1, num_accepted [batch]).
 
@@ -52,11 +53,13 @@ def verify(
     lenience < 1 is LOSSY: accept while u < p / (lenience * q), correction still from
     norm(max(0, p - q)). A position then emits min(q, p / l) + (1 - sum min(q, p / l)) *
     norm(max(0, p - q)) instead of p (checked in tests/test_verify_statistics.py).
+
+    ``check=False`` skips the input checks and their host syncs (for a caller that checked once).
     """
     fn = verify_triton if target_probs.is_cuda else verify_reference
     return fn(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-        uniforms, exponentials, greedy, max_spec_len, lenience,
+        uniforms, exponentials, greedy, max_spec_len, lenience, check=check,
     )
 
 
@@ -71,12 +74,15 @@ def verify_reference(
     greedy: torch.Tensor,
     max_spec_len: int,
     lenience: float = 1.0,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch verify: the specification the kernel is tested against. See ``verify``."""
-    num_drafts = _check_inputs(
-        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-        uniforms, exponentials, greedy, max_spec_len, lenience,
-    )
+    if check:
+        _check_inputs(
+            draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+            uniforms, exponentials, greedy, max_spec_len, lenience,
+        )  # fmt: skip
+    num_drafts = _draft_counts(cu_num_draft_tokens)
     batch = cu_num_draft_tokens.shape[0]
     num_tokens, vocab_size = target_probs.shape
     device = target_probs.device
@@ -149,6 +155,7 @@ def verify_triton(
     max_spec_len: int,
     lenience: float = 1.0,
     block_v: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify with the Triton kernel (one program per row). Same contract as ``verify``.
 
@@ -156,10 +163,11 @@ def verify_triton(
     of two; default min(1024, next_pow2(V))). Runs on CUDA tensors, or on CPU
     under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported).
     """
-    _check_inputs(
-        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-        uniforms, exponentials, greedy, max_spec_len, lenience,
-    )
+    if check:
+        _check_inputs(
+            draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+            uniforms, exponentials, greedy, max_spec_len, lenience,
+        )  # fmt: skip
     if not target_probs.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise SpecdraftError(
             "verify_triton needs CUDA tensors (on CPU it only runs under the Triton interpreter, "
@@ -178,6 +186,11 @@ def verify_triton(
     )
 
 
+def _draft_counts(cu_num_draft_tokens: torch.Tensor) -> torch.Tensor:
+    """Per-row draft counts from their inclusive cumsum (on the device: no sync)."""
+    return torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
+
+
 def _check_inputs(
     draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
     uniforms, exponentials, greedy, max_spec_len, lenience,
@@ -185,7 +198,8 @@ def _check_inputs(
     """Shape/range checks shared by both implementations; returns per-row draft counts.
 
     A bad count or token id would make the kernel read or write out of bounds,
-    so these are checked on the host (a few tiny syncs per step).
+    so these are checked on the host (a few tiny syncs). ``check=False`` skips them: the
+    decoder checks its first verify of a call, not every step.
     """
     if target_probs.dim() != 2:
         raise SpecdraftError(
@@ -232,7 +246,7 @@ def _check_inputs(
     if max_spec_len < 0:
         raise SpecdraftError(f"verify: max_spec_len must be >= 0, got {max_spec_len}.")
 
-    num_drafts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
+    num_drafts = _draft_counts(cu_num_draft_tokens)
     if batch > 0:
         if int(cu_num_draft_tokens[-1]) != num_tokens or int(num_drafts.min()) < 0:
             raise SpecdraftError(

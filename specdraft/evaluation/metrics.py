@@ -34,7 +34,7 @@ def position_acceptance(steps: list[StepStats], k: int) -> list[float | None]:
     """
     reached, accepted = [0] * k, [0] * k
     for s in steps:
-        for i in range(min(s.num_accepted + 1, s.num_drafted, k)):
+        for i in range(min(s.num_accepted + 1, s.max_accepted, k)):
             reached[i] += 1
             accepted[i] += i < s.num_accepted
     return [a / r if r else None for a, r in zip(accepted, reached)]
@@ -42,7 +42,7 @@ def position_acceptance(steps: list[StepStats], k: int) -> list[float | None]:
 
 def measured_alpha(steps: list[StepStats]) -> float | None:
     """Accepted drafts / tested drafts: the maximum-likelihood alpha under i.i.d. acceptance."""
-    tested = sum(min(s.num_accepted + 1, s.num_drafted) for s in steps)
+    tested = sum(min(s.num_accepted + 1, s.max_accepted) for s in steps)
     return sum(s.num_accepted for s in steps) / tested if tested else None
 
 
@@ -83,7 +83,14 @@ def recommended_k(alpha: float, c: float, max_k: int = MAX_RECOMMENDED_K) -> int
 
 
 def tokens_per_second(outputs: list[DecodeOutput]) -> float:
+    """Per request: each decode's tokens over its own wall clock (a batch's, for a batched decode)."""
     seconds = sum(o.seconds for o in outputs)
+    return sum(len(o.tokens) for o in outputs) / seconds if seconds else math.nan
+
+
+def total_tokens_per_second(outputs: list[DecodeOutput]) -> float:
+    """Throughput: every token over the wall clock spent, a batch's clock counted once (shared by its rows)."""
+    seconds = sum(o.seconds / o.batch_rows for o in outputs)
     return sum(len(o.tokens) for o in outputs) / seconds if seconds else math.nan
 
 
@@ -103,6 +110,7 @@ def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOut
         "target_seconds": sum(s.target_seconds for s in steps),
         "seconds": sum(o.seconds for o in outputs),
         "tokens_per_second": tokens_per_second(outputs),
+        "total_tokens_per_second": total_tokens_per_second(outputs),
         "speedup": None,
         "predicted_speedup": None,
         "recommended_k": None,

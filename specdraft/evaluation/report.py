@@ -24,6 +24,7 @@ COLUMNS = [
     ("alpha pred", "alpha_predicted", "{:.3f}"),
     ("c", "draft_cost_ratio", "{:.3f}"),
     ("tok/s", "tokens_per_second", "{:.1f}"),
+    ("total tok/s", "total_tokens_per_second", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("pred speedup", "predicted_speedup", "{:.2f}x"),
     ("verify cost", "verify_cost", "{:.2f}"),
@@ -158,15 +159,15 @@ def _fmt(value, fmt: str) -> str:
 
 def _config_line(result: dict) -> str:
     cfg = result["config"]
-    keys = ["k", "temperature", "top_k", "top_p", "max_new_tokens", "num_prompts", "device"]
-    return ", ".join(f"{key}={cfg[key]}" for key in keys)
+    keys = ["k", "temperature", "top_k", "top_p", "max_new_tokens", "num_prompts", "batch_size", "device"]
+    return ", ".join(f"{key}={cfg[key]}" for key in keys if key in cfg)
 
 
 def _footnotes(result: dict) -> list[str]:
     notes = [
         "tau = tokens per target forward (bonus included); alpha = accepted / tested drafts; alpha pred = mean "
         "sum_x min(p, q); c = draft time per token / target time per forward; speedup = tok/s over plain decoding "
-        "in the same run; pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), which assumes a verify "
+        "in the same run; tok/s is per request and total tok/s the throughput (they differ with --batch-size > 1); pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), which assumes a verify "
         "forward costs one plain step; verify cost v = seconds per verify forward / seconds per plain token, "
         "measured; pred @ verify cost = pred speedup / v."
     ]

@@ -15,9 +15,11 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
-from specdraft.decoding.speculative import DecodeOutput, plain_decode, speculative_decode
+from specdraft.decoding.speculative import DecodeOutput, TreeDrafting, plain_decode, speculative_decode
+from specdraft.decoding.trees import NAMED_TREES, parse_tree
 from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import mismatch, report
@@ -44,8 +46,12 @@ def evaluate(
     typical_acceptance: bool = False,
     wandb_run=None,
     show_progress: bool = True,
+    batch_size: int = 1,
 ) -> dict:
-    """Decode every prompt with plain decoding and with each source; return (and write) the report dict."""
+    """Decode every prompt with plain decoding and with each source; return (and write) the report dict.
+
+    ``batch_size`` > 1 decodes that many prompts together (``speculative_decode_batch``: chains, exact
+    verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput."""
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -64,38 +70,59 @@ def evaluate(
         common = dict(params=params, max_new_tokens=max_new, eos_token_ids=stop_ids, generator=g)
         if source is None:
             return plain_decode(target, prompt_ids, **common)
-        return speculative_decode(target, source, prompt_ids, k=k, lenience=lenience,
+        # A tree method drafts its tree's whole depth; k is the chains' length.
+        return speculative_decode(target, source, prompt_ids, k=getattr(source, "depth", k), lenience=lenience,
                                   typical_acceptance=typical_acceptance, **common)  # fmt: skip
 
     _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens)
+    if batch_size < 1 or (batch_size > 1 and (lenience < 1.0 or typical_acceptance)):
+        raise SpecdraftError(f"batch_size must be >= 1 (got {batch_size}), and batches verify exactly: drop "
+                             "--lenience / --typical-acceptance, or decode with --batch-size 1")
 
     # Warm up every method (lazy initialisation, allocator) so the first timed decode is not penalised.
     warmup_ids = prompt_token_ids(tokenizer, prompts[0], prefix_tokens=prefix_tokens)
     for source in methods.values():
         decode(source, warmup_ids, seed, min(8, max_new_tokens))
 
-    # records[method] = [(prompt, output), ...]; every method sees the same prompts and seeds.
+    def decode_rows(source, rows: list[list[int]], generator_seed: int, max_new: int) -> list[DecodeOutput]:
+        if batch_size == 1:
+            return [decode(source, rows[0], generator_seed, max_new)]
+        sources = None if source is None else fresh_sources(source, len(rows))
+        return speculative_decode_batch(
+            target, sources, [torch.tensor(ids, device=device) for ids in rows], k=k, params=params,
+            max_new_tokens=max_new, eos_token_ids=stop_ids,
+            generator=torch.Generator(device=device).manual_seed(generator_seed),
+        )  # fmt: skip
+
+    # records[method] = [(prompt, output), ...]; every method sees the same prompts and seeds, in groups of
+    # batch_size decoded together (turn by turn: a later turn's context is the method's own earlier answer).
     records: dict[str, list[tuple[Prompt, DecodeOutput]]] = {name: [] for name in methods}
     contexts: dict[str, list[list[int]]] = {name: [] for name in methods}  # each decode's prompt ids
     bar = tqdm(total=sum(len(p.turns) for p in prompts) * len(methods), desc="eval", unit="decode",
                disable=not show_progress)  # fmt: skip
-    for index, prompt in enumerate(prompts):
+    for first in range(0, len(prompts), batch_size):
+        group = list(enumerate(prompts))[first : first + batch_size]
         for name, source in methods.items():
-            answers = []
-            for turn in range(len(prompt.turns)):
-                ids = prompt_token_ids(tokenizer, prompt, answers, prefix_tokens)
+            answers = {index: [] for index, _ in group}
+            for turn in range(max(len(prompt.turns) for _, prompt in group)):
+                rows = [(index, prompt) for index, prompt in group if turn < len(prompt.turns)]
+                ids = [prompt_token_ids(tokenizer, prompt, answers[index], prefix_tokens) for index, prompt in rows]
                 try:
-                    out = decode(source, ids, seed + 1000 * index + turn, max_new_tokens)
+                    outs = decode_rows(source, ids, seed + 1000 * rows[0][0] + turn, max_new_tokens)
                 except SpecdraftError as e:  # e.g. a later turn outgrew the context: say which
-                    raise SpecdraftError(f"{name} on {prompt.suite}/{prompt.id}, turn {turn + 1}: {e}") from e
-                records[name].append((prompt, out))
-                contexts[name].append(ids)
-                # Multi-turn: this method's own answer is the context of the next turn.
-                answers.append(tokenizer.decode([t for t in out.tokens if t not in stop_ids], skip_special_tokens=True))
-                bar.update(1)
+                    where = ", ".join(f"{prompt.suite}/{prompt.id}" for _, prompt in rows)
+                    raise SpecdraftError(f"{name} on {where}, turn {turn + 1}: {e}") from e
+                for (index, prompt), row_ids, out in zip(rows, ids, outs):
+                    records[name].append((prompt, out))
+                    contexts[name].append(row_ids)
+                    # Multi-turn: this method's own answer is the context of the next turn.
+                    answers[index].append(tokenizer.decode([t for t in out.tokens if t not in stop_ids],
+                                                           skip_special_tokens=True))  # fmt: skip
+                    bar.update(1)
     bar.close()
 
-    result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device),
+    result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
+                                batch_size),
               "methods": {name: _summaries(records[name], records[PLAIN], k) for name in methods}}  # fmt: skip
     if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
         plain_tokens = [out.tokens for _, out in records[PLAIN]]
@@ -216,8 +243,9 @@ def _stop_ids(target, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device) -> dict:
+def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device, batch_size) -> dict:
     return {
+        "batch_size": batch_size,
         "k": k, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
         "max_new_tokens": max_new_tokens, "seed": seed, "lenience": lenience,
         "typical_acceptance": typical_acceptance, "lossy": lenience < 1.0 or typical_acceptance,
@@ -245,10 +273,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="per suite, spread evenly over the file")
     parser.add_argument("--prefix-tokens", type=int, default=128, help="length of `text` / code prefixes")
     parser.add_argument("-k", "--k", type=int, default=5, help="drafts per step")
+    parser.add_argument("--tree", action="append", default=[], metavar="TREE",
+                        help="also decode each drafter that can draft it with this tree (repeatable): "
+                             f"{', '.join(NAMED_TREES)}, chain-N or eagle2:total_tokens=T,depth=D,top_k=K")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="decode this many prompts together (tokens/s per request and in total)")
     parser.add_argument("--out", default=None, metavar="DIR", help="write result.json, report.md and PNG plots here")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                         help="default: bfloat16 on CUDA; float32 on CPU, where bf16 is no faster and its "
@@ -297,6 +330,12 @@ def run(args: argparse.Namespace) -> int:
         name = _unique_name(sources, Path(path).name)
         drafters[name] = load_drafter(path, target).eval()
         sources[name] = drafters[name].draft_source(target)
+        for spec in args.tree:  # the same drafter, drafting a tree each step
+            tree, source = parse_tree(spec), drafters[name].draft_source(target)
+            if tree.kind in getattr(source, "tree_kinds", ()):
+                sources[_unique_name(sources, f"{name} tree:{spec}")] = TreeDrafting(source, tree)
+            else:
+                print(f"[eval] {name} cannot draft a {tree.kind} tree ({spec}); it is decoded as a chain only")
     adapting = [name for name, d in drafters.items() if d.needs.trains_adapters]
     if adapting and len(drafters) + len(args.draft_model) > 1:
         # Its adapters now live inside the target: every other method would be verified by the adapted model.
@@ -331,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
         target, sources, args.prompts, params, k=args.k, max_new_tokens=args.max_new_tokens, out_dir=args.out,
         num_prompts=args.num_prompts, prefix_tokens=args.prefix_tokens, seed=args.seed, lenience=args.lenience,
         typical_acceptance=args.typical_acceptance, wandb_run=wandb_run, show_progress=not args.no_progress,
+        batch_size=args.batch_size,
     )  # fmt: skip
     if wandb_run is not None:
         wandb_run.finish()
