@@ -15,6 +15,7 @@ from tiny import seeded_init_, tiny_llama
 from transformers import DynamicCache
 
 from specdraft.contract import Proposal
+from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.decoding.speculative import TreeDrafting, keep_cache_path, plain_decode, speculative_decode
@@ -143,15 +144,17 @@ def test_tree_attention_gives_each_node_its_own_paths_logits(target):
             torch.testing.assert_close(out.logits[0, node + 1], alone, atol=1e-4, rtol=1e-4)
 
 
-def test_the_cache_keeps_exactly_the_accepted_path(target):
+@pytest.mark.parametrize("kind", ["dynamic", "preallocated"])
+def test_the_cache_keeps_exactly_the_accepted_path(target, kind):
     """After keep_cache_path, the next token's logits equal those of a fresh forward over the kept text,
-    for paths that are and are not a prefix of the node order."""
+    for paths that are and are not a prefix of the node order, on transformers' cache and on specdraft's
+    preallocated one (sized too small, so it also grows on the way)."""
     prompt, pending = random_ids(1, 8, seed=4) % VOCAB, torch.tensor([[5]])
     parents = [-1, -1, 0, 1, 3, 2, 4]
     tokens = torch.tensor([11, 12, 13, 14, 15, 16, 17])
     for last in (-1, 0, 2, 5, 6):
         path = path_to(last, parents)
-        cache = DynamicCache(config=target.config)
+        cache = DynamicCache(config=target.config) if kind == "dynamic" else preallocated_cache(target.config, 10)
         target(prompt, past_key_values=cache, use_cache=True, logits="none")
         ancestors = ancestor_matrix(torch.tensor(parents))
         positions = prompt.shape[1] + torch.cat([torch.zeros(1, dtype=torch.long), ancestors.sum(1)])

@@ -1,7 +1,7 @@
 """Batched speculative decoding: B prompts, one target forward and one verify per step for all of them.
 
 Rows accept different numbers of drafts, so each keeps its own length. The target's KV cache is one
-transformers ``DynamicCache`` for the batch in which every step appends the same number of slots to
+preallocated cache for the batch (``kv_cache``) in which every step appends the same number of slots to
 every row (the longest row's K'+1); a per-row slot mask records which slots hold the row's kept tokens,
 and each row's tokens take their own positions (its length + j). Rejected drafts' slots stay masked
 out, so nothing is copied on a rollback: the attention mask is what rolls back. This costs (K+1)/tau
@@ -20,10 +20,10 @@ import copy
 import time
 
 import torch
-from transformers import DynamicCache
 
 from specdraft.contract import TargetOutputs
 from specdraft.decoding import verify as verify_lib
+from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.sampling import (
     SamplingParams,
     draw_exponentials,
@@ -82,7 +82,8 @@ def speculative_decode_batch(
     for b, p in enumerate(prompts):
         ids[b, : lengths[b]] = p[0]
     valid = torch.arange(ids.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None]
-    cache = DynamicCache(config=target.config)
+    # Every step appends up to k + 1 slots per row; the cache doubles if the decode outgrows this.
+    cache = preallocated_cache(target.config, ids.shape[1] + max(budgets) + k + 1)
     positions = torch.arange(ids.shape[1], device=device).expand(batch, -1)
     out = _forward(target, cache, ids, positions, valid[:, :0], valid)
     last = torch.tensor(lengths, device=device) - 1

@@ -7,9 +7,9 @@ drafters (EAGLE, Medusa, ...) give theirs with ``drafter.draft_source(target)``.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from specdraft.contract import Proposal, TargetOutputs
+from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.sampling import SamplingParams, logits_to_probs, sample
 from specdraft.errors import SpecdraftError
 
@@ -37,7 +37,7 @@ class DraftLMSource:
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         self._bind_vocab(target_out.logits.shape[-1])
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = preallocated_cache(self.model.config, prompt_ids.shape[1] + 256)  # doubles when outgrown
         self.model(
             input_ids=self._to_draft_ids(prompt_ids), past_key_values=self.cache, use_cache=True, logits_to_keep=1
         )

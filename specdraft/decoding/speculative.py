@@ -21,9 +21,9 @@ from itertools import islice
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from specdraft.decoding import verify as verify_lib
+from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.tree_verify import verify_tree
 from specdraft.decoding.trees import (
     DynamicTree,
@@ -98,8 +98,8 @@ def speculative_decode(
 
     # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
     # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
-    # token is drawn from p.
-    cache = DynamicCache(config=target.config)
+    # token is drawn from p. The cache is sized for the prompt, the budget and one step's drafts.
+    cache = preallocated_cache(target.config, prompt_ids.shape[1] + budget + k + 1)
     out = target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
     source.start(prompt_ids, out)
     pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
@@ -153,7 +153,7 @@ def plain_decode(
     stop_ids = _stop_ids(eos_token_ids)
     device = prompt_ids.device
     start = _clock(device)
-    cache = DynamicCache(config=target.config)
+    cache = preallocated_cache(target.config, prompt_ids.shape[1] + budget)
     out = target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
     token = _next_token(out.logits[:, -1], params, generator)
     tokens = [token.item()]

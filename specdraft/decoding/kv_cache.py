@@ -1,0 +1,70 @@
+"""A preallocated, position-indexed KV cache for the target (gpt-fast's), in transformers' cache API.
+
+transformers' ``DynamicCache`` grows every layer's keys and values by ``torch.cat`` at each forward:
+a fresh [B, H, L, D] copy per layer per step, so decoding L tokens moves O(L^2) bytes. Here each layer
+owns one buffer sized for the whole decode, a forward writes its new positions in place, and a
+rollback (a rejected draft, a tree's discarded branches) only moves the length back. The layer keeps
+``keys``/``values`` as views of the filled part, so attention, masks and ``keep_cache_path`` read it
+exactly as they read a ``DynamicCache``. If a decode outgrows the buffer it is reallocated at twice
+the size (rare: the decoder sizes it for prompt + budget + a step's drafts).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from specdraft.errors import SpecdraftError
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One decoder layer's keys and values in a preallocated buffer; see the module docstring."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.key_buffer = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[3])
+        self.value_buffer = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[3])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(max(end, 2 * self.capacity))
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (transformers' convention: a count from the end)."""
+        if tokens_to_remove > 0:
+            raise SpecdraftError(f"crop takes a negative count of positions to drop, got {tokens_to_remove}")
+        if self.is_initialized:
+            self._set_length(max(0, self.length + tokens_to_remove))
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self.key_buffer[:, :, :length]
+        self.values = self.value_buffer[:, :, :length]
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+
+def preallocated_cache(config, capacity: int) -> Cache:
+    """A cache for a decoder of ``config``'s layers, each sized for ``capacity`` positions."""
+    num_layers = config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
