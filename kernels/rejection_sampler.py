@@ -64,18 +64,28 @@ def _recover_token(
 
     if best_score <= 0.0:
         # Residual all zero (only rounding gets here): race over p itself.
-        best_score = tl.full([], -1.0, tl.float32)
-        for chunk_start in range(0, vocab_size, BLOCK_V):
-            offsets = chunk_start + tl.arange(0, BLOCK_V)
-            in_vocab = offsets < vocab_size
-            p = tl.load(p_row_ptr + offsets, mask=in_vocab, other=0.0).to(tl.float32)
-            e = tl.load(e_row_ptr + offsets, mask=in_vocab, other=1.0)
-            score = tl.where(in_vocab, tl.div_rn(p, e), -1.0)
-            chunk_score, chunk_idx = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            better = chunk_score > best_score
-            best_idx = tl.where(better, chunk_start + chunk_idx, best_idx)
-            best_score = tl.where(better, chunk_score, best_score)
+        best_idx, best_score = _race_over(p_row_ptr, e_row_ptr, vocab_size, BLOCK_V)
     return best_idx
+
+
+@triton.jit
+def _race_over(w_row_ptr, e_row_ptr, vocab_size, BLOCK_V: tl.constexpr):
+    """(argmax_x w(x) / e_x, its score) over one row of weights w >= 0: a draw from norm(w), the
+    exponential race. Ties -> lowest id; the score is 0 when w is all zero."""
+    best_score = tl.full([], -1.0, tl.float32)  # every real score is >= 0
+    best_idx = tl.full([], 0, tl.int32)
+    for chunk_start in range(0, vocab_size, BLOCK_V):
+        offsets = chunk_start + tl.arange(0, BLOCK_V)
+        in_vocab = offsets < vocab_size
+        w = tl.load(w_row_ptr + offsets, mask=in_vocab, other=0.0).to(tl.float32)
+        e = tl.load(e_row_ptr + offsets, mask=in_vocab, other=1.0)
+        # div_rn: IEEE division, so the GPU matches torch's `/` bit for bit.
+        score = tl.where(in_vocab, tl.div_rn(w, e), -1.0)
+        chunk_score, chunk_idx = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = chunk_score > best_score  # strictly: on a tie the earlier chunk keeps the win
+        best_idx = tl.where(better, chunk_start + chunk_idx, best_idx)
+        best_score = tl.where(better, chunk_score, best_score)
+    return best_idx, best_score
 
 
 @triton.jit

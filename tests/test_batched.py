@@ -3,8 +3,7 @@ what that prompt gives decoded alone, for every kind of source; sampled rows fol
 
 import pytest
 import torch
-from test_speculative import noisy_copy, prompts
-from tiny import tiny_llama
+from test_speculative import VOCAB, noisy_copy, prompts, target, target_model  # noqa: F401 (fixtures)
 
 from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
@@ -13,19 +12,8 @@ from specdraft.decoding.trees import StaticTree
 from specdraft.errors import SpecdraftError
 from specdraft.target import FrozenTarget
 
-VOCAB = 300
 MAX_NEW = 24
 B = 4
-
-
-@pytest.fixture(scope="module")
-def target_model():
-    return tiny_llama(VOCAB, seed=0)
-
-
-@pytest.fixture(scope="module")
-def target(target_model):
-    return FrozenTarget(target_model)
 
 
 def batch_prompts():
