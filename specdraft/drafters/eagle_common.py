@@ -264,9 +264,7 @@ class EagleDraftSource:
         from ..decoding.sampling import logits_to_probs, sample  # lazy: keeps drafters importable alone
 
         d = self.drafter
-        tokens = torch.cat([self.queued_tokens, pending], dim=1)
-        hidden = d.draft_step(d.draft_input(self.queued_features), tokens, self._positions(tokens.shape[1]), self.cache)
-        self.num_committed = len(self.cache)
+        hidden = self._read_queued(pending)
         drafts, probs = [], []
         for step in range(k):
             if step > 0:  # read the previous draft with the hidden it came from
@@ -280,6 +278,24 @@ class EagleDraftSource:
             no_probs = torch.zeros(B, 0, self._target_vocab_size(), device=pending.device)
             return Proposal(pending.new_zeros(B, 0), no_probs)
         return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1))
+
+    tree_kinds = ("static", "dynamic")
+
+    @torch.no_grad()
+    def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:
+        """A static tree, or an EAGLE-2 dynamic tree, drafted with tree attention (``eagle_tree``)."""
+        from .eagle_tree import propose_tree
+
+        return propose_tree(self, pending, tree, params)
+
+    def _read_queued(self, pending: torch.Tensor) -> torch.Tensor:
+        """Step 0: read every queued (verified feature, next token) pair, the pending token completing the last;
+        returns their hiddens [B, m, H], the last one predicting the token after the pending one."""
+        d = self.drafter
+        tokens = torch.cat([self.queued_tokens, pending], dim=1)
+        hidden = d.draft_step(d.draft_input(self.queued_features), tokens, self._positions(tokens.shape[1]), self.cache)
+        self.num_committed = len(self.cache)
+        return hidden
 
     def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         self.cache.crop(self.num_committed)

@@ -1,0 +1,149 @@
+"""Tree drafting for the EAGLE drafters: static trees, and EAGLE-2's dynamic trees (Li et al. 2024,
+arXiv 2406.16858, Sec. 4), with tree attention inside the drafter's own KV cache.
+
+A node is *read* when the drafter runs one step on (its parent's hidden, its token): that gives the
+hidden from which its children are drafted, and one cache slot. Nodes are read depth by depth, all of
+a depth in one ``draft_step``, at position committed + depth - 1 (where a chain's draft at that depth
+would be read), under a mask that shows each node the committed cache, the slots of its own ancestors
+and itself. After verification ``EagleDraftSource.commit`` crops the cache back to the committed part,
+so the next step reads the accepted path's verified features exactly as after a chain.
+
+Children are ranked by the draft's log-probabilities: log_softmax of the logits at temperature 0, the
+log of the warped q otherwise (tokens q gives zero are never proposed). Either way they are the top-k,
+deterministic given the context, so the tree verifier tries them with q one-hot (``probs=None``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..contract import Proposal
+from ..errors import SpecdraftError
+
+
+def propose_tree(source, pending: torch.Tensor, tree, params) -> Proposal:
+    """The tree ``tree`` (a ``StaticTree`` or ``DynamicTree``) drafted by ``source``, an EagleDraftSource."""
+    from ..decoding.trees import DynamicTree, StaticTree
+
+    if pending.shape[0] != 1:
+        raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}")
+    reader = _TreeReader(source, pending, params)
+    if isinstance(tree, DynamicTree):
+        tokens, parents = _dynamic(reader, tree)
+    elif isinstance(tree, StaticTree):
+        tokens, parents = _static(reader, tree)
+    else:
+        raise SpecdraftError(f"EAGLE drafts a StaticTree or a DynamicTree, got {type(tree).__name__}")
+    return Proposal(source._to_target_ids(tokens)[None], None, parents[None])
+
+
+class _TreeReader:
+    """Reads tree nodes into the drafter's cache and scores their children."""
+
+    def __init__(self, source, pending: torch.Tensor, params):
+        self.source, self.drafter, self.params = source, source.drafter, params
+        self.root_hidden = source._read_queued(pending)[:, -1]  # [1, H]: the pending position's
+        self.committed = source.num_committed
+        self.device = pending.device
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[m, N] log-probabilities of the children of m read nodes (draft vocabulary)."""
+        from ..decoding.sampling import logits_to_probs
+
+        logits = self.drafter.draft_logits(hidden)
+        if self.params.is_greedy:
+            return F.log_softmax(logits.float(), dim=-1)
+        return logits_to_probs(logits, self.params).log()
+
+    def read(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int, ancestors: torch.Tensor) -> torch.Tensor:
+        """One draft step over m nodes of ``depth``: ``hidden`` [m, H] their parents' hiddens, ``tokens`` [m]
+        their target ids, ``ancestors`` [m, S] which of the S tree slots read so far each may see. Returns their
+        hiddens [m, H]; their slots are S..S+m-1."""
+        cache, m = self.source.cache, tokens.shape[0]
+        num_tree = len(cache) - self.committed
+        mask = torch.cat([torch.ones(m, self.committed, dtype=torch.bool, device=self.device), ancestors,
+                          torch.eye(m, dtype=torch.bool, device=self.device)], dim=1)  # fmt: skip
+        assert ancestors.shape[1] == num_tree
+        positions = torch.full((1, m), self.committed + depth - 1, device=self.device)
+        return self.drafter.draft_step(hidden[None], tokens[None], positions, cache, mask=mask[None, None])[0]
+
+
+def _dynamic(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2: the top_k frontier by cumulative log-probability, expanded ``depth`` times, then the best
+    ``total_tokens`` of every candidate. Returns (draft-vocabulary tokens [N], parents [N])."""
+    device, top_k = reader.device, tree.top_k
+    score = reader.scores(reader.root_hidden)[0]  # [V_draft]
+    first_scores, first_tokens = score.topk(min(top_k, score.numel()))
+    # Every candidate generated, in generation order: its token, cumulative score, parent (candidate index).
+    tokens, scores = [first_tokens], [first_scores]
+    parents = [torch.full_like(first_tokens, -1)]
+    depths = [torch.ones_like(first_tokens)]
+    frontier = torch.arange(first_tokens.numel(), device=device)  # candidate indices
+    frontier_hidden = reader.root_hidden.expand(frontier.numel(), -1)  # their parents' hiddens
+    frontier_ancestors = torch.zeros(frontier.numel(), 0, dtype=torch.bool, device=device)  # over tree slots
+    num_candidates = first_tokens.numel()
+    for depth in range(2, tree.depth + 1):
+        all_tokens, all_scores = torch.cat(tokens), torch.cat(scores)
+        read_tokens = reader.source._to_target_ids(all_tokens[frontier])
+        hidden = reader.read(frontier_hidden, read_tokens, depth - 1, frontier_ancestors)  # [m, H]
+        m = frontier.numel()
+        # The frontier's own slots, appended after the tree slots read so far.
+        ancestors = torch.cat([frontier_ancestors, torch.eye(m, dtype=torch.bool, device=device)], dim=1)
+        child_scores, child_tokens = reader.scores(hidden).topk(min(top_k, score.numel()), dim=-1)  # [m, k]
+        # cumulative log-probability; clamp: a log-softmax can round to +1e-8, and a child must never outscore
+        # its parent (that is what keeps the reranked set a tree)
+        child_scores = all_scores[frontier, None] + child_scores.clamp_max(0.0)
+        k = child_tokens.shape[1]
+        tokens.append(child_tokens.flatten())
+        scores.append(child_scores.flatten())
+        parents.append(frontier.repeat_interleave(k))
+        depths.append(torch.full((m * k,), depth, device=device, dtype=torch.long))
+        if depth < tree.depth:  # the next frontier: the best top_k of these children
+            best = child_scores.flatten().topk(min(top_k, m * k)).indices
+            frontier = num_candidates + best
+            parent_row = best // k
+            frontier_hidden = hidden[parent_row]
+            frontier_ancestors = ancestors[parent_row]  # a child sees its parent's slot and the parent's ancestors
+        num_candidates += m * k
+    all_tokens, all_scores = torch.cat(tokens), torch.cat(scores)
+    all_parents, all_depths = torch.cat(parents), torch.cat(depths)
+    # Rerank: the best total_tokens (stable: ties keep the earlier-generated node, so a parent, whose score
+    # is never below its child's, is kept before it and the kept set stays a tree). Zero-probability
+    # candidates (-inf) are never kept.
+    order = torch.sort(all_scores, descending=True, stable=True).indices[: tree.total_tokens]
+    order = order[all_scores[order] > float("-inf")]
+    # Topological order: by depth, then score (the sort above), so parents come first.
+    order = order[torch.sort(all_depths[order], stable=True).indices]
+    new_index = torch.full_like(all_parents, -1)
+    new_index[order] = torch.arange(order.numel(), device=device)
+    kept_parents = all_parents[order]
+    return all_tokens[order], torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
+
+
+def _static(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static tree: node i is the ranks[i]-th best child of its parent. Returns (tokens [N], parents [N])."""
+    device, n = reader.device, tree.num_nodes
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    hidden_of, slot_of = {-1: reader.root_hidden[0]}, {}  # read nodes: hidden, tree slot
+    for depth in range(1, tree.depth + 1):
+        nodes = [i for i in range(n) if tree.depths[i] == depth]
+        expanders = sorted({tree.parents[i] for i in nodes})
+        if depth > 1:  # read the parents of this depth (the root's hidden is already known)
+            ancestors = torch.zeros(len(expanders), len(slot_of), dtype=torch.bool, device=device)
+            for row, node in enumerate(expanders):
+                up = tree.parents[node]
+                while up >= 0:
+                    ancestors[row, slot_of[up]] = True
+                    up = tree.parents[up]
+            parent_hidden = torch.stack([hidden_of[tree.parents[e]] for e in expanders])
+            index = torch.tensor(expanders, device=device)
+            read = reader.read(parent_hidden, reader.source._to_target_ids(tokens[index]), depth - 1, ancestors)
+            for row, node in enumerate(expanders):
+                hidden_of[node], slot_of[node] = read[row], len(slot_of)
+        logits_rows = reader.scores(torch.stack([hidden_of[e] for e in expanders]))  # [m, N]
+        top = logits_rows.topk(max(tree.ranks[i] for i in nodes) + 1, dim=-1).indices
+        row_of = {e: r for r, e in enumerate(expanders)}
+        for i in nodes:
+            tokens[i] = top[row_of[tree.parents[i]], tree.ranks[i]]
+    return tokens, torch.tensor(tree.parents, device=device)
