@@ -237,3 +237,19 @@ def test_a_batch_of_equal_length_prompts_drafts_like_each_prompt_alone(family):
 
     batched = run(ids)
     assert torch.equal(batched[0], run(ids[:1])[0]) and torch.equal(batched[1], run(ids[1:])[0])
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_a_greedy_proposal_forms_no_q(family):
+    """At temperature 0 the drafts are the argmaxes and no V-wide q is built (the decoder compares drafts with
+    the target's argmaxes): the same tokens as the argmax of the q a sampled proposal carries."""
+    target = tiny_target()
+    drafter = make_drafter(family, target)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    greedy, sampled = drafter.draft_source(target), drafter.draft_source(target)
+    for source in (greedy, sampled):
+        source.start(ids[:, :8], target(ids[:, :8]))
+    proposal = greedy.propose(ids[:, 8:9], 1, GREEDY, None)
+    reference = sampled.propose(ids[:, 8:9], 1, SAMPLED, torch.Generator().manual_seed(0))
+    assert proposal.probs is None
+    assert proposal.tokens[0, 0] == reference.probs[0, 0].argmax()

@@ -269,15 +269,19 @@ class EagleDraftSource:
         for step in range(k):
             if step > 0:  # read the previous draft with the hidden it came from
                 hidden = d.draft_step(hidden[:, -1:], drafts[-1], self._positions(1), self.cache)
-            q = logits_to_probs(d.draft_logits(hidden[:, -1]), params)  # [B, N], warped like the target's p
-            draft_ids = q.argmax(-1) if params.is_greedy else sample(q, generator)
+            logits = d.draft_logits(hidden[:, -1])  # [B, N]
+            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
+                draft_ids = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits, params)  # warped like the target's p
+                draft_ids = sample(q, generator)
+                probs.append(self._to_target_vocab(q))  # verify reads q over the target's vocabulary
             drafts.append(self._to_target_ids(draft_ids)[:, None])
-            probs.append(self._to_target_vocab(q))
         if not drafts:
             B = pending.shape[0]
             no_probs = torch.zeros(B, 0, self._target_vocab_size(), device=pending.device)
             return Proposal(pending.new_zeros(B, 0), no_probs)
-        return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1))
+        return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None)
 
     tree_kinds = ("static", "dynamic")
 
