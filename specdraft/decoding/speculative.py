@@ -10,7 +10,10 @@ One step, for a sequence whose next token ("pending") is chosen but not yet run 
 The tokens emitted are distributed exactly as the target's own samples (Leviathan et al. 2023,
 Thm. 1; Chen et al. 2023), and at temperature 0 they are the target's greedy tokens.
 
-Batch size 1: one prompt at a time (rows of a batch would accept different numbers of drafts).
+A source may propose a tree instead of a chain (``Proposal.parents``; ``TreeDrafting`` asks for one):
+every node is verified in the same one forward, under a tree attention mask, and the cache keeps the
+accepted path (``_verify_tree``). One prompt at a time here; ``specdraft.decoding.batched`` decodes B
+prompts of chains together.
 """
 
 from __future__ import annotations
