@@ -29,8 +29,8 @@ def acceptance_length(steps: list[StepStats]) -> float:
 def position_acceptance(steps: list[StepStats], k: int) -> list[float | None]:
     """Rate at which draft i is accepted given drafts 1..i-1 were (the EAGLE papers' n-alpha).
 
-    Draft i is tested in a step iff it was drafted and everything before it was accepted.
-    None where no step ever reached position i.
+    Draft i is tested in a step iff it was drafted and everything before it was accepted (a tree: its
+    depth i was reached). None where no step ever reached position i.
     """
     reached, accepted = [0] * k, [0] * k
     for s in steps:
@@ -41,7 +41,8 @@ def position_acceptance(steps: list[StepStats], k: int) -> list[float | None]:
 
 
 def measured_alpha(steps: list[StepStats]) -> float | None:
-    """Accepted drafts / tested drafts: the maximum-likelihood alpha under i.i.d. acceptance."""
+    """Accepted drafts / tested drafts: the maximum-likelihood alpha under i.i.d. acceptance. For a tree a
+    depth is tested when the path reached it, and accepted when the path went one level deeper."""
     tested = sum(min(s.num_accepted + 1, s.max_accepted) for s in steps)
     return sum(s.num_accepted for s in steps) / tested if tested else None
 
@@ -121,7 +122,10 @@ def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOut
     if plain_outputs:
         summary["speedup"] = summary["tokens_per_second"] / tokens_per_second(plain_outputs)
         summary["verify_cost"] = verify_cost(steps, plain_outputs)
-    if alpha is not None and c is not None:
+    # The predictions are a chain's (Leviathan et al.'s i.i.d. acceptance along K drafts): for a tree, alpha is
+    # the rate at which the accepted path goes one level deeper, and c is per node, so none is predicted.
+    is_tree = any(s.depth is not None for s in steps)
+    if alpha is not None and c is not None and not is_tree:
         best_k = recommended_k(alpha, c)
         summary["predicted_speedup"] = predicted_speedup(alpha, k, c)
         if summary["verify_cost"] is not None:

@@ -106,7 +106,9 @@ def plot_speedup_heatmap(result: dict, path: Path) -> None:
     """Predicted speedup over alpha x K at each method's measured c, with the measured (alpha, K) marked."""
     plt = _pyplot()
     summaries = [(method, groups["overall"]) for method, groups in result["methods"].items()]
-    measured = [(m, s) for m, s in summaries if s["alpha_measured"] is not None and s["draft_cost_ratio"] is not None]
+    # Chains only: a tree method has no predicted speedup (metrics.summarize), so no best K to mark.
+    measured = [(m, s) for m, s in summaries if s["alpha_measured"] is not None and s["draft_cost_ratio"] is not None
+                and s["recommended_k"] is not None]
     k = result["config"]["k"]
     fig, axes = plt.subplots(1, max(1, len(measured)), figsize=(5 * max(1, len(measured)), 4), squeeze=False)
     alphas = [i / 50 for i in range(50)]  # 0 .. 0.98
