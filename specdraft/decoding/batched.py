@@ -119,7 +119,8 @@ def speculative_decode_batch(
                 draft_seconds[b] = time.perf_counter() - t0
             t1 = time.perf_counter()
 
-        # One forward over [pending, d_1..d_K'] for every row, padded to the longest row's K'+1.
+        # One forward over [pending, d_1..d_K'] for every row, padded to the longest row's K'+1 (a finished row
+        # rides along on padding, masked out: the batch keeps its shape and the cache its rows).
         width = 1 + max(d.shape[1] for d in drafts.values())
         step_ids = torch.full((batch, width), PAD_ID, dtype=torch.long, device=device)
         step_valid = torch.zeros(batch, width, dtype=torch.bool, device=device)  # real inputs of this step
@@ -129,7 +130,8 @@ def speculative_decode_batch(
         positions = valid.sum(1, keepdim=True) + torch.arange(width, device=device)[None]
         out = _forward(target, cache, step_ids, positions, valid, step_valid)
         num_accepted, emitted = _verify_rows(out.logits, rows, drafts, q, params, generator)
-        n_host, emitted_host = num_accepted.tolist(), emitted.tolist()  # the step's host sync
+        host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the step's one host sync
+        n_host, emitted_host = [row[0] for row in host], [row[1:] for row in host]
         # The kept slots: pending and the accepted drafts of each row; the rest of the step stays masked.
         kept = torch.zeros(batch, width, dtype=torch.bool, device=device)
         for i, b in enumerate(rows):
