@@ -24,18 +24,24 @@ from ..errors import SpecdraftError
 
 def propose_tree(source, pending: torch.Tensor, tree, params) -> Proposal:
     """The tree ``tree`` (a ``StaticTree`` or ``DynamicTree``) drafted by ``source``, an EagleDraftSource."""
+    tokens, parents, _ = draft_tree(source, pending, tree, params)
+    return Proposal(source._to_target_ids(tokens)[None], None, parents[None])
+
+
+def draft_tree(source, pending: torch.Tensor, tree, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``propose_tree``'s nodes: (draft-vocabulary tokens [N], parents [N], scores [N]), a node's score being
+    its cumulative log q, the sum of log q over its path (what EAGLE-2 ranks by; tests compare it with chains)."""
     from ..decoding.trees import DynamicTree, StaticTree
 
+    # Both checks come before the queued features are read into the cache: a refused call changes nothing.
     if pending.shape[0] != 1:
-        raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}")
+        raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}; "
+                             "draft a batch as chains (propose), or decode its prompts one by one")
+    if not isinstance(tree, (StaticTree, DynamicTree)):
+        raise SpecdraftError(f"EAGLE drafts a StaticTree or a DynamicTree, got {type(tree).__name__}; "
+                             "build one with specdraft.decoding.trees.parse_tree (e.g. 'eagle2-small', 'medusa-16')")
     reader = _TreeReader(source, pending, params)
-    if isinstance(tree, DynamicTree):
-        tokens, parents = _dynamic(reader, tree)
-    elif isinstance(tree, StaticTree):
-        tokens, parents = _static(reader, tree)
-    else:
-        raise SpecdraftError(f"EAGLE drafts a StaticTree or a DynamicTree, got {type(tree).__name__}")
-    return Proposal(source._to_target_ids(tokens)[None], None, parents[None])
+    return _dynamic(reader, tree) if isinstance(tree, DynamicTree) else _static(reader, tree)
 
 
 class _TreeReader:
@@ -69,9 +75,9 @@ class _TreeReader:
         return self.drafter.draft_step(hidden[None], tokens[None], positions, cache, mask=mask[None, None])[0]
 
 
-def _dynamic(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor]:
+def _dynamic(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-2: the top_k frontier by cumulative log-probability, expanded ``depth`` times, then the best
-    ``total_tokens`` of every candidate. Returns (draft-vocabulary tokens [N], parents [N])."""
+    ``total_tokens`` of every candidate. Returns (draft-vocabulary tokens [N], parents [N], scores [N])."""
     device, top_k = reader.device, tree.top_k
     score = reader.scores(reader.root_hidden)[0]  # [V_draft]
     first_scores, first_tokens = score.topk(min(top_k, score.numel()))
@@ -100,7 +106,8 @@ def _dynamic(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor]:
         parents.append(frontier.repeat_interleave(k))
         depths.append(torch.full((m * k,), depth, device=device, dtype=torch.long))
         if depth < tree.depth:  # the next frontier: the best top_k of these children
-            best = child_scores.flatten().topk(min(top_k, m * k)).indices
+            # stable sort, not topk: ties go to the earlier-generated child, as in the rerank below
+            best = torch.sort(child_scores.flatten(), descending=True, stable=True).indices[:top_k]
             frontier = num_candidates + best
             parent_row = best // k
             frontier_hidden = hidden[parent_row]
@@ -118,32 +125,44 @@ def _dynamic(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor]:
     new_index = torch.full_like(all_parents, -1)
     new_index[order] = torch.arange(order.numel(), device=device)
     kept_parents = all_parents[order]
-    return all_tokens[order], torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
+    kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
+    return all_tokens[order], kept_parents, all_scores[order]
 
 
-def _static(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor]:
-    """A static tree: node i is the ranks[i]-th best child of its parent. Returns (tokens [N], parents [N])."""
+def _static(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A static tree: node i is the ranks[i]-th best child of its parent. Depth by depth, the nodes of the
+    previous depth that have children are read in one step, then every node of this depth takes its rank
+    among its parent's children. Returns (draft-vocabulary tokens [N], parents [N], scores [N])."""
+    from ..decoding.trees import path_to
+
     device, n = reader.device, tree.num_nodes
     tokens = torch.zeros(n, dtype=torch.long, device=device)
-    hidden_of, slot_of = {-1: reader.root_hidden[0]}, {}  # read nodes: hidden, tree slot
+    scores = torch.zeros(n + 1, device=device)  # row 0: the root (0), row i + 1: node i's cumulative log q
+    hiddens = reader.root_hidden.new_zeros(n + 1, reader.root_hidden.shape[-1])  # same rows: children's hidden
+    hiddens[0] = reader.root_hidden[0]
+    slot = {}  # read node -> its tree slot in the drafter's cache (host ints: the tree's shape is fixed)
     for depth in range(1, tree.depth + 1):
         nodes = [i for i in range(n) if tree.depths[i] == depth]
-        expanders = sorted({tree.parents[i] for i in nodes})
-        if depth > 1:  # read the parents of this depth (the root's hidden is already known)
-            ancestors = torch.zeros(len(expanders), len(slot_of), dtype=torch.bool, device=device)
+        expanders = sorted({tree.parents[i] for i in nodes})  # [-1] (the root) at depth 1, else nodes of depth - 1
+        if depth > 1:
+            # Each expander sees its own strict ancestors' slots: built on the host, one copy per depth.
+            ancestors = [[False] * len(slot) for _ in expanders]
             for row, node in enumerate(expanders):
-                up = tree.parents[node]
-                while up >= 0:
-                    ancestors[row, slot_of[up]] = True
-                    up = tree.parents[up]
-            parent_hidden = torch.stack([hidden_of[tree.parents[e]] for e in expanders])
+                for up in path_to(tree.parents[node], tree.parents):
+                    ancestors[row][slot[up]] = True
             index = torch.tensor(expanders, device=device)
-            read = reader.read(parent_hidden, reader.source._to_target_ids(tokens[index]), depth - 1, ancestors)
-            for row, node in enumerate(expanders):
-                hidden_of[node], slot_of[node] = read[row], len(slot_of)
-        logits_rows = reader.scores(torch.stack([hidden_of[e] for e in expanders]))  # [m, N]
-        top = logits_rows.topk(max(tree.ranks[i] for i in nodes) + 1, dim=-1).indices
+            parent_rows = torch.tensor([tree.parents[e] + 1 for e in expanders], device=device)
+            read = reader.read(hiddens[parent_rows], reader.source._to_target_ids(tokens[index]), depth - 1,
+                               torch.tensor(ancestors, dtype=torch.bool, device=device).reshape(len(expanders), -1))
+            hiddens[index + 1] = read
+            slot.update({node: len(slot) + row for row, node in enumerate(expanders)})
+        log_q = reader.scores(hiddens[torch.tensor([e + 1 for e in expanders], device=device)])  # [m, V_draft]
         row_of = {e: r for r, e in enumerate(expanders)}
-        for i in nodes:
-            tokens[i] = top[row_of[tree.parents[i]], tree.ranks[i]]
-    return tokens, torch.tensor(tree.parents, device=device)
+        rows = torch.tensor([row_of[tree.parents[i]] for i in nodes], device=device)
+        ranks = torch.tensor([tree.ranks[i] for i in nodes], device=device)
+        top_scores, top_tokens = log_q.topk(max(tree.ranks[i] for i in nodes) + 1, dim=-1)
+        index = torch.tensor(nodes, device=device)
+        tokens[index] = top_tokens[rows, ranks]
+        parent_rows = torch.tensor([tree.parents[i] + 1 for i in nodes], device=device)
+        scores[index + 1] = scores[parent_rows] + top_scores[rows, ranks].clamp_max(0.0)
+    return tokens, torch.tensor(tree.parents, device=device), scores[1:]
