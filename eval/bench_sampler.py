@@ -38,6 +38,15 @@ FULL_GRID = dict(batch=[1, 8, 32], k=[1, 4, 8], vocab=[32000, 128256, 152064])
 QUICK_GRID = dict(batch=[1, 8], k=[1, 4], vocab=[32000])
 
 
+def greedy_rows(batch: int, mode: str, device: str) -> torch.Tensor:
+    """verify's per-row greedy flags for --mode: all sampled, all greedy, or alternating."""
+    return {
+        "random": torch.zeros(batch, dtype=torch.bool, device=device),
+        "greedy": torch.ones(batch, dtype=torch.bool, device=device),
+        "mixed": torch.arange(batch, device=device) % 2 == 1,
+    }[mode]
+
+
 def make_inputs(batch: int, k: int, vocab: int, mode: str, device: str, seed: int = 0):
     """One verify step: every row drafts k tokens from a q that is a noisy copy of p."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -46,11 +55,7 @@ def make_inputs(batch: int, k: int, vocab: int, mode: str, device: str, seed: in
     target_probs = logits.softmax(-1)
     draft_probs = (logits + torch.randn(num_tokens, vocab, generator=g, device=device)).softmax(-1)
     drafts = sample(draft_probs, g)
-    greedy = {
-        "random": torch.zeros(batch, dtype=torch.bool, device=device),
-        "greedy": torch.ones(batch, dtype=torch.bool, device=device),
-        "mixed": torch.arange(batch, device=device) % 2 == 1,
-    }[mode]
+    greedy = greedy_rows(batch, mode, device)
     return dict(
         draft_token_ids=drafts,
         cu_num_draft_tokens=torch.arange(1, batch + 1, device=device) * k,
@@ -75,11 +80,7 @@ def make_tree_inputs(batch: int, tree_spec: str, vocab: int, mode: str, device: 
     top = draft_logits.topk(max(tree.ranks) + 1, dim=-1).indices  # [batch, n + 1, K]
     parent_rows = torch.tensor(tree.parents, device=device) + 1  # row of each node's parent in its block
     tokens = top[:, parent_rows, torch.tensor(tree.ranks, device=device)]  # [batch, n]
-    greedy = {
-        "random": torch.zeros(batch, dtype=torch.bool, device=device),
-        "greedy": torch.ones(batch, dtype=torch.bool, device=device),
-        "mixed": torch.arange(batch, device=device) % 2 == 1,
-    }[mode]
+    greedy = greedy_rows(batch, mode, device)
     return dict(
         node_token_ids=tokens.flatten(),
         node_parents=torch.tensor(tree.parents, device=device).repeat(batch),
