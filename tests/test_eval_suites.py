@@ -218,6 +218,7 @@ def test_cli_bad_input(tmp_path):
         (["--prompts", str(empty), "--prompt-lookup"], "is empty"),
         (["--prompts", str(suite), "--draft-model", str(other_dir)], "--map-draft-vocab"),
         (["--prompts", str(suite), "--drafter", str(tmp_path)], "not a saved drafter"),
+        (["--prompts", str(suite), "--tree", "medusa-8", "--batch-size", "4"], "one prompt at a time"),
     ]
     for extra, message in cases:
         with pytest.raises(SpecdraftError, match=message):

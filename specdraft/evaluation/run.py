@@ -309,6 +309,9 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.k < 1:
         raise SpecdraftError(f"-k must be >= 1, got {args.k}; 4-8 drafts per step is typical.")
+    if args.tree and args.batch_size > 1:
+        raise SpecdraftError("--tree decodes one prompt at a time (batches verify chains): drop --batch-size, or "
+                             "evaluate the trees in a run of their own")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
