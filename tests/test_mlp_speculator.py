@@ -802,3 +802,18 @@ def test_a_draft_vocabulary_is_refused():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_greedy_proposal_is_the_argmax_chain_and_forms_no_q():
+    target = tiny_target()
+    drafter = speculator(target, n_predict=3, inner_dim=32).eval()
+    ids = random_ids(1, 12, seed=4)
+    greedy, sampled = drafter.draft_source(target), drafter.draft_source(target)
+    for source in (greedy, sampled):
+        source.start(ids[:, :8], target(ids[:, :8]))
+    proposal = greedy.propose(ids[:, 8:9], 3, SamplingParams(temperature=0.0), None)
+    assert proposal.probs is None and proposal.tokens.shape == (1, 3)
+    # each greedy draft is the argmax of the head's distribution given the drafts before it
+    seq = torch.cat([ids[:, :9], proposal.tokens], dim=1)
+    logits = drafter.speculator(final_hidden(target(seq)), seq)
+    assert [int(logits[i][0, 7].argmax()) for i in range(3)] == proposal.tokens[0].tolist()

@@ -330,11 +330,16 @@ class MedusaDraftSource:
         if num == 0:
             B = pending.shape[0]
             return Proposal(pending.new_zeros(B, 0), torch.zeros(B, 0, d.target_vocab_size, device=pending.device))
-        q = logits_to_probs(d.head_logits(self.last_hidden, num), params)  # [B, num, N], warped like p
-        drafts = q.argmax(-1) if params.is_greedy else sample(q, generator)
+        logits = d.head_logits(self.last_hidden, num)  # [B, num, N]
+        if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
+            drafts, q = logits.argmax(-1), None
+        else:
+            q = logits_to_probs(logits, params)  # warped like p
+            drafts = sample(q, generator)
         if d.reduced:
             drafts = d.draft_ids[drafts]
-            q = q.new_zeros(*q.shape[:-1], d.target_vocab_size).index_copy_(-1, d.draft_ids, q)
+            if q is not None:  # verify reads q over the target's vocabulary
+                q = q.new_zeros(*q.shape[:-1], d.target_vocab_size).index_copy_(-1, d.draft_ids, q)
         return Proposal(drafts, q)
 
     tree_kinds = ("static",)  # the heads never read a draft, so there is nothing for a dynamic tree to expand

@@ -543,14 +543,17 @@ class MLPSpeculatorSource:
         state, token, drafts, probs = self.heads.input_state(self.state), pending, [], []
         for i in range(k):
             state, logits = self.heads.step(i, state, token)
-            q = _warped(logits[:, -1], params)  # [B, V]: warped exactly as the target's p will be
-            token = (q.argmax(-1) if params.is_greedy else sample(q, generator))[:, None]
+            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
+                token = logits[:, -1].argmax(-1, keepdim=True)
+            else:
+                q = _warped(logits[:, -1], params)  # [B, V]: warped exactly as the target's p will be
+                token = sample(q, generator)[:, None]
+                probs.append(q)
             drafts.append(token)
-            probs.append(q)
         if not drafts:
             B = pending.shape[0]
             return Proposal(pending.new_zeros(B, 0), torch.zeros(B, 0, self.heads.vocab_size, device=pending.device))
-        return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1))
+        return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None)
 
     tree_kinds = ("static",)  # fms-extras' candidates are per-head top-k, a static tree
 
