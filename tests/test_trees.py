@@ -235,10 +235,14 @@ def medusa_setup():
 
 @pytest.mark.parametrize("tree", ["medusa-8", "medusa-63", "chain-3"])
 def test_medusa_greedy_tree_decoding_is_the_targets_own(tree):
+    """Identical to transformers' generate(), not only to specdraft's own plain decoding."""
+    from test_speculative import hf_greedy
+
     target, drafter = medusa_setup()
     for seed in range(3):
         prompt = random_ids(1, 6, seed=10 + seed)
         plain = plain_decode(target, prompt, max_new_tokens=40).tokens
+        assert hf_greedy(target.model, prompt, 40) == plain
         source = TreeDrafting(drafter.draft_source(target), parse_tree(tree))
         out = speculative_decode(target, source, prompt, k=5, max_new_tokens=40)
         assert out.tokens == plain
