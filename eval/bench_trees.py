@@ -33,10 +33,9 @@ from bench_families import (
 )
 
 from specdraft.decoding.sampling import SamplingParams
-from specdraft.decoding.speculative import TreeDrafting
 from specdraft.decoding.trees import DynamicTree, parse_tree
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.run import evaluate, tree_methods
 from specdraft.evaluation.suites import prompt_token_ids
 from specdraft.target import FrozenTarget, resolve_target_path
 
@@ -51,10 +50,7 @@ def methods_of(target, drafters: dict, trees: list[str]) -> dict:
     sources = {}
     for family, drafter in drafters.items():
         sources[family] = drafter.draft_source(target)
-        for spec in trees:
-            source, tree = drafter.draft_source(target), parse_tree(spec)
-            if tree.kind in getattr(source, "tree_kinds", ()):
-                sources[f"{family} tree:{spec}"] = TreeDrafting(source, tree)
+        sources.update(tree_methods(family, drafter, target, trees))
     return sources
 
 

@@ -33,6 +33,7 @@ from specdraft.decoding.trees import (
     StaticTree,
     ancestor_matrix,
     check_tree,
+    check_tree_kind,
     tree_attention_mask,
     tree_depths,
 )  # fmt: skip
@@ -355,18 +356,12 @@ class TreeDrafting:
     shortens it); ``evaluate`` passes ``depth``. A source lists the trees it drafts in ``tree_kinds``."""
 
     def __init__(self, source, tree: StaticTree | DynamicTree):
-        kinds = getattr(source, "tree_kinds", ())
-        if not hasattr(source, "propose_tree") or not kinds:
-            raise SpecdraftError(
-                f"{type(source).__name__} drafts chains only (it has no propose_tree); trees are drafted by EAGLE-1/3 "
-                "(static or EAGLE-2 dynamic trees), Medusa heads and the MLP speculator (static trees)"
-            )
-        if tree.kind not in kinds:
-            raise SpecdraftError(
-                f"{type(source).__name__} drafts {' and '.join(kinds)} trees, not {tree.kind} ones: EAGLE-2's dynamic "
-                "trees need a drafter that reads its own drafts (EAGLE-1/3); use a static tree such as medusa-16"
-            )
-        self.source, self.tree, self.depth = source, tree, tree.depth
+        check_tree_kind(source, tree)  # here, so a wrong pairing fails before any decoding
+        self.source, self.tree = source, tree
+
+    @property
+    def depth(self) -> int:
+        return self.tree.depth
 
     def fresh(self) -> TreeDrafting:
         """An independent copy for another row of a batch (``batched.fresh_sources``)."""

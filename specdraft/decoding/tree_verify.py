@@ -111,7 +111,6 @@ def verify_tree_reference(
         uniforms, exponentials, greedy, max_depth, check,
     )
     batch = cu_num_nodes.shape[0]
-    vocab_size = target_probs.shape[1]
     device = target_probs.device
     rows = torch.arange(batch, device=device)
     starts = cu_num_nodes.long() - num_nodes_per_row  # flat index of each row's first node

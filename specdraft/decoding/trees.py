@@ -21,7 +21,7 @@ walks them with q one-hot (``specdraft.decoding.tree_verify``) and stays lossles
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -94,9 +94,13 @@ class StaticTree:
     def limited(self, max_depth: int) -> StaticTree:
         """The nodes no deeper than ``max_depth``: for a drafter with fewer heads than the tree is deep,
         and near the end of the token budget (a verify never runs past the context)."""
-        if max_depth >= self.depth:
-            return self
-        return StaticTree(tuple(p for p in self.choices if len(p) <= max_depth))
+        return self if max_depth >= self.depth else _static_prefix(self, max_depth)
+
+
+@lru_cache(maxsize=64)
+def _static_prefix(tree: StaticTree, max_depth: int) -> StaticTree:
+    """Cached: a drafter with fewer heads than the tree is deep asks for the same cut every step."""
+    return StaticTree(tuple(p for p in tree.choices if len(p) <= max_depth))
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,9 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     parents = parents.long().reshape(-1)
     n = parents.numel()
     reach = torch.eye(n, dtype=torch.float32, device=parents.device)
-    has_parent = (parents >= 0).nonzero().flatten()
-    reach[has_parent, parents[has_parent]] = 1.0
+    # Each node reaches its parent; a root's child (-1) adds nothing (a masked add: no nonzero(), no sync).
+    reach[torch.arange(n, device=parents.device), parents.clamp_min(0)] += (parents >= 0).float()
+    reach = reach.clamp_max(1.0)
     for _ in range(max(n - 1, 1).bit_length()):
         reach = ((reach @ reach) > 0).float()
     return reach > 0
@@ -244,15 +249,44 @@ def path_to(node: int, parents: list[int]) -> list[int]:
     return path[::-1]
 
 
-def expand_static_tree(tree: StaticTree, step, root_state: torch.Tensor, root_token: torch.Tensor) -> torch.Tensor:
-    """The tokens [N] of ``tree`` drafted by a model that drafts depth by depth (Medusa heads, the MLP speculator).
+def check_tree_kind(source, tree) -> None:
+    """``source`` drafts trees (it lists ``tree_kinds``) of ``tree``'s kind; else an error naming what it drafts."""
+    kinds, name = getattr(source, "tree_kinds", ()), type(source).__name__
+    if not kinds or not hasattr(source, "propose_tree"):
+        raise SpecdraftError(
+            f"{name} drafts chains only (it has no propose_tree); trees are drafted by EAGLE-1/3 (static or EAGLE-2 "
+            "dynamic trees), Medusa heads and the MLP speculator (static trees)"
+        )
+    kind = getattr(tree, "kind", None)
+    if kind not in kinds:
+        wanted = " or a ".join({"static": "StaticTree", "dynamic": "DynamicTree"}[k] for k in kinds)
+        raise SpecdraftError(
+            f"{name} drafts {' and '.join(kinds)} trees, not {kind or type(tree).__name__} ones: give a {wanted} "
+            "(specdraft.decoding.trees.parse_tree, e.g. 'medusa-16'; EAGLE-2's dynamic trees need a drafter that "
+            "reads its own drafts, EAGLE-1/3)"
+        )
 
-    ``step(d, states [m, ...], tokens [m]) -> (states [m, ...], logits [m, V])`` drafts depth d + 1 for m
-    parents at depth d (d = 0: the root, with ``root_state`` [1, ...] and the pending ``root_token`` [1]).
-    Node i takes the ``ranks[i]``-th best token of its parent's logits: temperature, top-k and top-p keep
-    the logits' order, so this is also the ranking of the warped q. One ``step`` call per depth."""
+
+def check_tree_request(source, tree, pending: torch.Tensor) -> None:
+    """What every ``propose_tree`` checks before it touches its state: the tree's kind, and one prompt."""
+    check_tree_kind(source, tree)
+    if pending.shape[0] != 1:
+        raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}; "
+                             "draft a batch as chains (propose), or decode its prompts one by one")
+
+
+def expand_static_tree(tree: StaticTree, step, root_state: torch.Tensor, root_token: torch.Tensor):
+    """(tokens [N], values [N]) of ``tree`` drafted by a model that drafts depth by depth: Medusa heads, the MLP
+    speculator, and EAGLE (whose ``step`` reads the nodes into its cache with tree attention).
+
+    ``step(d, expanders, states [m, ...], tokens [m]) -> (states [m, ...], scores [m, V])`` runs the m nodes of
+    depth d that have children (``expanders``: their indices, -1 for the root) from the states their parents
+    left (``root_state`` [1, ...] for the root, whose token is the pending ``root_token`` [1]); it returns the
+    states they leave and the scores of their children. Node i takes the ``ranks[i]``-th best child of its
+    parent; ``values[i]`` is that child's score. Temperature, top-k and top-p keep the logits' order, so
+    ranking by logits is ranking by the warped q. One ``step`` call per depth."""
     n = tree.num_nodes
-    tokens = root_token.new_zeros(n)
+    tokens, values = root_token.new_zeros(n), None
     node_states = None  # [N, ...] the state each node's children are drafted from
     for d in range(tree.depth):
         nodes = [i for i in range(n) if tree.depths[i] == d + 1]
@@ -260,12 +294,15 @@ def expand_static_tree(tree: StaticTree, step, root_state: torch.Tensor, root_to
         rows = {e: r for r, e in enumerate(expanders)}
         states = torch.cat([root_state if e < 0 else node_states[e : e + 1] for e in expanders])
         parent_tokens = torch.stack([root_token.reshape(()) if e < 0 else tokens[e] for e in expanders])
-        states, logits = step(d, states, parent_tokens)
-        top = logits.topk(max(tree.ranks[i] for i in nodes) + 1, dim=-1).indices  # [m, k]
+        states, scores = step(d, expanders, states, parent_tokens)
+        top = scores.topk(max(tree.ranks[i] for i in nodes) + 1, dim=-1)  # [m, k]
         index = torch.tensor(nodes, device=tokens.device)
         row_of = torch.tensor([rows[tree.parents[i]] for i in nodes], device=tokens.device)
-        tokens[index] = top[row_of, torch.tensor([tree.ranks[i] for i in nodes], device=tokens.device)]
+        rank = torch.tensor([tree.ranks[i] for i in nodes], device=tokens.device)
+        tokens[index] = top.indices[row_of, rank]
         if node_states is None:
             node_states = states.new_zeros(n, *states.shape[1:])
+            values = scores.new_zeros(n)
         node_states[index] = states[row_of]
-    return tokens
+        values[index] = top.values[row_of, rank]
+    return tokens, values

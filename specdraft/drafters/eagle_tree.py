@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from ..contract import Proposal
-from ..errors import SpecdraftError
 
 
 def propose_tree(source, pending: torch.Tensor, tree, params) -> Proposal:
@@ -31,15 +30,9 @@ def propose_tree(source, pending: torch.Tensor, tree, params) -> Proposal:
 def draft_tree(source, pending: torch.Tensor, tree, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``propose_tree``'s nodes: (draft-vocabulary tokens [N], parents [N], scores [N]), a node's score being
     its cumulative log q, the sum of log q over its path (what EAGLE-2 ranks by; tests compare it with chains)."""
-    from ..decoding.trees import DynamicTree, StaticTree
+    from ..decoding.trees import DynamicTree, check_tree_request
 
-    # Both checks come before the queued features are read into the cache: a refused call changes nothing.
-    if pending.shape[0] != 1:
-        raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}; "
-                             "draft a batch as chains (propose), or decode its prompts one by one")
-    if not isinstance(tree, (StaticTree, DynamicTree)):
-        raise SpecdraftError(f"EAGLE drafts a StaticTree or a DynamicTree, got {type(tree).__name__}; "
-                             "build one with specdraft.decoding.trees.parse_tree (e.g. 'eagle2-small', 'medusa-16')")
+    check_tree_request(source, tree, pending)  # before the queued features are read: a refused call changes nothing
     reader = _TreeReader(source, pending, params)
     return _dynamic(reader, tree) if isinstance(tree, DynamicTree) else _static(reader, tree)
 
@@ -130,39 +123,29 @@ def _dynamic(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _static(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A static tree: node i is the ranks[i]-th best child of its parent. Depth by depth, the nodes of the
-    previous depth that have children are read in one step, then every node of this depth takes its rank
-    among its parent's children. Returns (draft-vocabulary tokens [N], parents [N], scores [N])."""
-    from ..decoding.trees import path_to
+    """A static tree: node i is the ranks[i]-th best child of its parent (``expand_static_tree``), the nodes of a
+    depth that have children read in one step with tree attention. Returns (draft-vocabulary tokens [N],
+    parents [N], scores [N])."""
+    from ..decoding.trees import ancestor_matrix, expand_static_tree, path_to
 
-    device, n = reader.device, tree.num_nodes
-    tokens = torch.zeros(n, dtype=torch.long, device=device)
-    scores = torch.zeros(n + 1, device=device)  # row 0: the root (0), row i + 1: node i's cumulative log q
-    hiddens = reader.root_hidden.new_zeros(n + 1, reader.root_hidden.shape[-1])  # same rows: children's hidden
-    hiddens[0] = reader.root_hidden[0]
+    device = reader.device
     slot = {}  # read node -> its tree slot in the drafter's cache (host ints: the tree's shape is fixed)
-    for depth in range(1, tree.depth + 1):
-        nodes = [i for i in range(n) if tree.depths[i] == depth]
-        expanders = sorted({tree.parents[i] for i in nodes})  # [-1] (the root) at depth 1, else nodes of depth - 1
-        if depth > 1:
-            # Each expander sees its own strict ancestors' slots: built on the host, one copy per depth.
-            ancestors = [[False] * len(slot) for _ in expanders]
-            for row, node in enumerate(expanders):
-                for up in path_to(tree.parents[node], tree.parents):
-                    ancestors[row][slot[up]] = True
-            index = torch.tensor(expanders, device=device)
-            parent_rows = torch.tensor([tree.parents[e] + 1 for e in expanders], device=device)
-            read = reader.read(hiddens[parent_rows], reader.source._to_target_ids(tokens[index]), depth - 1,
-                               torch.tensor(ancestors, dtype=torch.bool, device=device).reshape(len(expanders), -1))
-            hiddens[index + 1] = read
-            slot.update({node: len(slot) + row for row, node in enumerate(expanders)})
-        log_q = reader.scores(hiddens[torch.tensor([e + 1 for e in expanders], device=device)])  # [m, V_draft]
-        row_of = {e: r for r, e in enumerate(expanders)}
-        rows = torch.tensor([row_of[tree.parents[i]] for i in nodes], device=device)
-        ranks = torch.tensor([tree.ranks[i] for i in nodes], device=device)
-        top_scores, top_tokens = log_q.topk(max(tree.ranks[i] for i in nodes) + 1, dim=-1)
-        index = torch.tensor(nodes, device=device)
-        tokens[index] = top_tokens[rows, ranks]
-        parent_rows = torch.tensor([tree.parents[i] + 1 for i in nodes], device=device)
-        scores[index + 1] = scores[parent_rows] + top_scores[rows, ranks].clamp_max(0.0)
-    return tokens, torch.tensor(tree.parents, device=device), scores[1:]
+
+    def step(depth, expanders, hiddens, tokens):
+        if depth == 0:  # the root: the pending token was read with the queued pairs (_TreeReader)
+            return hiddens, reader.scores(hiddens)
+        # Each expander sees its own strict ancestors' slots: built on the host, one copy per depth.
+        ancestors = [[False] * len(slot) for _ in expanders]
+        for row, node in enumerate(expanders):
+            for up in path_to(tree.parents[node], tree.parents):
+                ancestors[row][slot[up]] = True
+        visible = torch.tensor(ancestors, dtype=torch.bool, device=device).reshape(len(expanders), -1)
+        read = reader.read(hiddens, reader.source._to_target_ids(tokens), depth, visible)
+        slot.update({node: len(slot) + row for row, node in enumerate(expanders)})
+        return read, reader.scores(read)
+
+    tokens, log_q = expand_static_tree(tree, step, reader.root_hidden, torch.zeros(1, dtype=torch.long, device=device))
+    parents = torch.tensor(tree.parents, device=device)
+    # A node's score is its path's log q (clamped: a log-softmax can round to +1e-8), summed over its ancestors.
+    scores = ancestor_matrix(parents).float() @ log_q.clamp_max(0.0)
+    return tokens, parents, scores

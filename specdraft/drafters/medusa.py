@@ -348,18 +348,16 @@ class MedusaDraftSource:
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:
         """Medusa's static tree (``medusa_choices``): node i is the ranks[i]-th best token of head depth_i - 1.
         The heads read one hidden state, so a node's token depends on its depth and rank, not on its parent."""
-        from ..decoding.trees import StaticTree, expand_static_tree
+        from ..decoding.trees import check_tree_request, expand_static_tree
 
-        if not isinstance(tree, StaticTree):
-            raise SpecdraftError(f"Medusa heads draft static trees (medusa_choices, e.g. --tree medusa-63), not "
-                                 f"{type(tree).__name__}: EAGLE-2's dynamic trees need a drafter that reads its own drafts")
-        if pending.shape[0] != 1:
-            raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}")
+        check_tree_request(self, tree, pending)
         d = self.drafter
         tree = tree.limited(len(d.heads))  # one depth per head
         logits = d.head_logits(self.last_hidden, tree.depth)[0]  # [depth, N]
-        tokens = expand_static_tree(tree, lambda depth, states, _: (states, logits[depth].expand(states.shape[0], -1)),
-                                    self.last_hidden, pending[0])  # fmt: skip
+        tokens, _ = expand_static_tree(
+            tree, lambda depth, _, states, __: (states, logits[depth].expand(states.shape[0], -1)), self.last_hidden,
+            pending[0],
+        )  # fmt: skip
         if d.reduced:
             tokens = d.draft_ids[tokens]
         parents = torch.tensor(tree.parents, device=pending.device)

@@ -561,20 +561,16 @@ class MLPSpeculatorSource:
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:
         """A static candidate tree from the top-k of each head (fms-extras' top_k_tokens_per_head, as a tree):
         node i is the ranks[i]-th best token of head depth_i - 1 run on its parent's state and token."""
-        from ..decoding.trees import StaticTree, expand_static_tree
+        from ..decoding.trees import check_tree_request, expand_static_tree
 
-        if not isinstance(tree, StaticTree):
-            raise SpecdraftError(f"the MLP speculator drafts static trees (e.g. --tree medusa-16), not "
-                                 f"{type(tree).__name__}: EAGLE-2's dynamic trees are for EAGLE drafters")
-        if pending.shape[0] != 1:
-            raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}")
+        check_tree_request(self, tree, pending)
         tree = tree.limited(self.heads.n_predict)  # one depth per head
 
-        def step(depth, states, tokens):
+        def step(depth, _, states, tokens):
             states, logits = self.heads.step(depth, states, tokens[:, None])  # [m, 1, inner], [m, 1, V]
             return states, logits[:, -1]
 
-        tokens = expand_static_tree(tree, step, self.heads.input_state(self.state), pending[0])  # state [1, 1, D]
+        tokens, _ = expand_static_tree(tree, step, self.heads.input_state(self.state), pending[0])  # state [1, 1, D]
         parents = torch.tensor(tree.parents, device=pending.device)
         return Proposal(tokens[None], None, parents[None])  # deterministic children: q one-hot
 

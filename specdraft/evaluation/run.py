@@ -333,12 +333,8 @@ def run(args: argparse.Namespace) -> int:
         name = _unique_name(sources, Path(path).name)
         drafters[name] = load_drafter(path, target).eval()
         sources[name] = drafters[name].draft_source(target)
-        for spec in args.tree:  # the same drafter, drafting a tree each step
-            tree, source = parse_tree(spec), drafters[name].draft_source(target)
-            if tree.kind in getattr(source, "tree_kinds", ()):
-                sources[_unique_name(sources, f"{name} tree:{spec}")] = TreeDrafting(source, tree)
-            else:
-                print(f"[eval] {name} cannot draft a {tree.kind} tree ({spec}); it is decoded as a chain only")
+        for method, source in tree_methods(name, drafters[name], target, args.tree).items():
+            sources[_unique_name(sources, method)] = source
     adapting = [name for name, d in drafters.items() if d.needs.trains_adapters]
     if adapting and len(drafters) + len(args.draft_model) > 1:
         # Its adapters now live inside the target: every other method would be verified by the adapted model.
@@ -384,6 +380,19 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwrote {', '.join(result['files'].values())}")
     return 0
+
+
+def tree_methods(name: str, drafter, target, specs: list[str]) -> dict:
+    """``NAME tree:SPEC`` -> the drafter drafting that tree each step, for every spec it can draft (and a line
+    saying which it cannot: those it decodes as a chain only)."""
+    methods = {}
+    for spec in specs:
+        tree, source = parse_tree(spec), drafter.draft_source(target)
+        if tree.kind in getattr(source, "tree_kinds", ()):
+            methods[f"{name} tree:{spec}"] = TreeDrafting(source, tree)
+        else:
+            print(f"[eval] {name} cannot draft a {tree.kind} tree ({spec}); it is decoded as a chain only")
+    return methods
 
 
 def _unique_name(existing: dict, name: str) -> str:
