@@ -6,6 +6,8 @@ Same target, same draft LM, same prompts, same process, all greedy:
   HF assisted           model.generate(assistant_model=draft), K drafts per step
                         (constant schedule, confidence early-exit off: the same K as specdraft)
   specdraft, draft LM   speculative_decode with DraftLMSource(draft), K drafts per step
+  specdraft, compiled   the same, the draft's decode step compiled (DraftLMSource(draft, compile=True));
+                        transformers' assisted generation switches compilation off for its assistant
   HF prompt lookup      model.generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=3)
   specdraft, lookup     speculative_decode with PromptLookupSource(max_ngram=3)
 It checks every method emits the same tokens, and prints a Markdown table with tokens/s,
@@ -124,6 +126,9 @@ def main(argv=None) -> int:
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (timings are steadier with 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-compiled-assistant", action="store_true",
+                        help="also time assisted generation with the assistant's forward torch.compile'd by hand "
+                             "(its warm-up compiles for about a minute)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -166,6 +171,18 @@ def main(argv=None) -> int:
         pairs.append((f"HF assisted generation, draft LM (K={k})", f"specdraft, draft LM (K={k})"))
         methods[pairs[-1][0]] = lambda ids: hf(ids, assistant_model=draft)
         methods[pairs[-1][1]] = lambda ids: ours(ids, DraftLMSource(draft))
+        # The same draft with its decode step compiled (torch.compile over a static cache); one source for all
+        # prompts, so the warm-up below compiles it once. transformers turns compilation off for its assistant.
+        compiled = DraftLMSource(draft, compile=True)
+        pairs.append((pairs[-1][0], f"specdraft, draft LM compiled (K={k})"))
+        methods[pairs[-1][1]] = lambda ids: ours(ids, compiled)
+        if args.hf_compiled_assistant:
+            # What a transformers user can do by hand: compile the assistant's forward (dynamic shapes, since
+            # its DynamicCache grows every step). A copy, so the other methods keep the eager draft.
+            assistant = copy.deepcopy(draft)
+            assistant.forward = torch.compile(assistant.forward, dynamic=True)
+            pairs.append((f"HF assisted generation, assistant compiled by hand (K={k})", pairs[-1][1]))
+            methods[pairs[-1][0]] = lambda ids: hf(ids, assistant_model=assistant)
     pairs.append((f"HF prompt lookup (K={k})", f"specdraft, prompt lookup (K={k})"))
     methods[pairs[-1][0]] = lambda ids: hf(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
     methods[pairs[-1][1]] = lambda ids: ours(ids, PromptLookupSource(max_ngram=3))

@@ -192,7 +192,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     args = cli_args([
         "--target", str(target_dir), "--draft-model", str(target_dir), "--prompt-lookup", "--prompts", str(suite),
         "--num-prompts", "2", "-k", "3", "--max-new-tokens", "8", "--dtype", "float32", "--out", str(tmp_path / "out"),
-        "--no-progress",
+        "--no-progress", "--compile-draft",  # the draft LM's steps compiled (eager draft LMs: test_distillspec)
     ])  # fmt: skip
     assert eval_run.run(args) == 0
     printed = capsys.readouterr().out

@@ -267,3 +267,53 @@ def test_drafter_families_plug_in(family):
         expected = plain_decode(target, prompt, max_new_tokens=MAX_NEW).tokens
         assert hf_greedy(target.model, prompt, MAX_NEW) == expected
         assert speculative_decode(target, source, prompt, k=3, max_new_tokens=MAX_NEW).tokens == expected
+
+
+def test_a_compiled_draft_decodes_the_targets_greedy_tokens(target, target_model):
+    """compile=True: the draft's steps run compiled over a static cache, rolled back by position. A small
+    starting room makes the cache outgrow itself mid-decode, so the copy into a larger one is checked too."""
+    draft = noisy_copy(target_model, 0.2, seed=1)
+    source = DraftLMSource(draft, compile=True)
+    source.room = 4
+    full = partial = 0
+    for prompt in prompts(4)[2:]:  # 13 and 18 tokens: caches of 32, grown to 64
+        out = speculative_decode(target, source, prompt, k=4, max_new_tokens=MAX_NEW)
+        assert out.tokens == hf_greedy(target_model, prompt, MAX_NEW)
+        full += sum(s.num_accepted == s.num_drafted == 4 for s in out.steps)  # then the draft reads 2 tokens
+        partial += sum(s.num_accepted < s.num_drafted for s in out.steps)  # then it rolls back
+    assert source.capacity == 64 and source._compiled_sizes == {32, 64}
+    assert full > 0 and partial > 0
+
+
+def test_compiled_drafts_propose_what_the_eager_ones_do(target, target_model):
+    """The target's tokens are right whatever the drafts are, so the drafts' own numbers are compared here: q at
+    every draft position, through rollbacks of every length and the cache outgrowing itself. Two drafts of one
+    architecture are compiled side by side: each must keep its own weights and its own cache."""
+    drafts = [noisy_copy(target_model, 0.2, seed=1), noisy_copy(target_model, 0.5, seed=2)]
+    pairs = [(DraftLMSource(d, compile=True), DraftLMSource(d)) for d in drafts]
+    prompt = prompts(4)[2]  # 13 tokens: a cache of 32, grown to 64 below
+    target_out = target(prompt, logits="last")
+    for compiled, eager in pairs:
+        compiled.room = 4
+        compiled.start(prompt, target_out)
+        eager.start(prompt, target_out)
+    params, g = SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)
+    for _ in range(14):
+        pending = torch.randint(3, VOCAB, (1, 1), generator=g)
+        seed = int(torch.randint(1 << 30, (1,), generator=g))
+        for compiled, eager in pairs:
+            ours, theirs = (s.propose(pending, 3, params, torch.Generator().manual_seed(seed)) for s in (compiled, eager))
+            torch.testing.assert_close(ours.probs, theirs.probs, rtol=0, atol=1e-5)
+            assert torch.equal(ours.tokens, theirs.tokens)
+            kept = torch.cat([pending, theirs.tokens[:, : int(torch.randint(4, (1,), generator=g))]], dim=1)
+            compiled.commit(kept, None)
+            eager.commit(kept, None)
+    assert [compiled.capacity for compiled, _ in pairs] == [64, 64]
+
+
+def test_compiling_a_draft_needs_a_static_cache_that_rolls_back(monkeypatch, target_model):
+    from specdraft.decoding import sources as sources_module
+
+    monkeypatch.setattr(sources_module.StaticLayer, "__annotations__", {})
+    with pytest.raises(SpecdraftError, match="pip install -U transformers"):
+        DraftLMSource(target_model, compile=True)

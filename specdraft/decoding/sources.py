@@ -7,6 +7,8 @@ drafters (EAGLE, Medusa, ...) give theirs with ``drafter.draft_source(target)``.
 from __future__ import annotations
 
 import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from specdraft.contract import Proposal, TargetOutputs
 from specdraft.decoding.kv_cache import preallocated_cache
@@ -28,19 +30,31 @@ class DraftLMSource:
     d_k is read together with the next pending token.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_map: torch.Tensor | None = None):
+    room = 256  # positions a cache holds past the prompt before it first grows
+
+    def __init__(self, model: torch.nn.Module, vocab_map: torch.Tensor | None = None, compile: bool | str = False):
+        """``compile``: run the draft's decode steps (1 or 2 new tokens) through ``torch.compile`` over
+        transformers' ``StaticCache`` (True, or a torch.compile mode: "reduce-overhead" captures CUDA graphs).
+        A small draft's step is mostly per-op overhead, which compiling removes (``eval/bench_decode.py``
+        measures it). Both step widths compile when a cache size is first used (seconds to a minute); the
+        prompt's prefill stays eager. transformers' assisted generation switches compilation off for its assistant
+        (``AssistedCandidateGenerator``), so this is specdraft's own."""
         self.model = model.eval().requires_grad_(False)
         self.draft_vocab_size = model.get_output_embeddings().weight.shape[0]
         self.vocab_map = vocab_map
         self._target_vocab_size = None
+        self.compile = compile
+        if compile:
+            check_static_cache()
+            self._compiled_sizes = set()  # cache sizes the step is compiled for (shared by shallow copies)
+            self._compiled_step = torch.compile(model.forward, mode=compile if isinstance(compile, str) else None)
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         self._bind_vocab(target_out.logits.shape[-1])
-        self.cache = preallocated_cache(self.model.config, prompt_ids.shape[1] + 256)  # doubles when outgrown
-        self.model(
-            input_ids=self._to_draft_ids(prompt_ids), past_key_values=self.cache, use_cache=True, logits_to_keep=1
-        )
+        self.num_read = 0  # positions in the draft's cache; the host knows them, so rollback needs no sync
+        self.cache = self._new_cache(prompt_ids.shape[1] + self.room)  # grows (doubles) when outgrown
+        self._read(prompt_ids)
         self.num_committed = prompt_ids.shape[1]
         self.unread = prompt_ids[:, :0]  # committed tokens the draft has not read yet
 
@@ -49,11 +63,8 @@ class DraftLMSource:
         tokens, probs = [], []
         next_input = torch.cat([self.unread, pending], dim=1)
         for _ in range(k):
-            out = self.model(
-                input_ids=self._to_draft_ids(next_input), past_key_values=self.cache, use_cache=True, logits_to_keep=1
-            )
+            logits = self._to_target_logits(self._read(next_input))  # [1, V_target]
             self.unread = next_input[:, :0]  # read now
-            logits = self._to_target_logits(out.logits[:, -1])  # [1, V_target]
             if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
                 next_input = logits.argmax(-1).view(1, 1)
             else:
@@ -65,11 +76,55 @@ class DraftLMSource:
 
     def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         self.num_committed += kept_ids.shape[1]
-        num_read = self.cache.get_seq_length()
-        if num_read > self.num_committed:  # rejected drafts: forget them
-            self.cache.crop(self.num_committed - num_read)
-            num_read = self.num_committed
-        self.unread = kept_ids[:, kept_ids.shape[1] - (self.num_committed - num_read) :]
+        if self.num_read > self.num_committed:  # rejected drafts: forget them
+            self.cache.crop(self.num_committed - self.num_read)
+            self.num_read = self.num_committed
+        self.unread = kept_ids[:, kept_ids.shape[1] - (self.num_committed - self.num_read) :]
+
+    # -- the draft's cache ----------------------------------------------------------------------
+    def _read(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Run the draft over ``target_ids`` [1, n] at its next positions; the last position's logits [1, V_draft]."""
+        n, forward, kwargs = target_ids.shape[1], self.model.forward, {}
+        if self.compile:
+            if self.num_read + n > self.capacity:
+                self._grow(self.num_read + n)
+            # A static cache attends over all its slots; the mask comes from these positions, so slots past
+            # them (rejected drafts, not yet overwritten) are never seen.
+            kwargs["cache_position"] = torch.arange(self.num_read, self.num_read + n, device=target_ids.device)
+            if n <= 2:  # decode steps; a prompt's prefill (any width) stays eager
+                forward = self._compiled_step
+        out = forward(input_ids=self._to_draft_ids(target_ids), past_key_values=self.cache, use_cache=True,
+                      logits_to_keep=1, **kwargs)  # fmt: skip
+        self.num_read += n
+        return out.logits[:, -1]
+
+    def _new_cache(self, capacity: int):
+        if not self.compile:
+            return preallocated_cache(self.model.config, capacity)
+        # Powers of two: a compiled step is specialised to the cache's size, so few sizes mean few compiles.
+        self.capacity = 1 << (capacity - 1).bit_length()
+        cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+        if self.capacity not in self._compiled_sizes:
+            # Compile both step widths now, while the cache is empty, so no decode step waits on the compiler.
+            device = self.model.get_output_embeddings().weight.device
+            for width in (1, 2):
+                self._compiled_step(input_ids=torch.zeros(1, width, dtype=torch.long, device=device),
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                    cache_position=torch.arange(width, device=device))  # fmt: skip
+                cache.crop(-width)
+            self._compiled_sizes.add(self.capacity)
+        return cache
+
+    def _grow(self, needed: int) -> None:
+        """Move the static cache's filled slots into one twice as large (or more)."""
+        old = self.cache
+        self.cache = self._new_cache(max(needed, 2 * self.capacity))
+        for old_layer, layer in zip(old.layers, self.cache.layers):
+            if not layer.is_initialized:  # a size compiled before skips the warm-up that initialises it
+                layer.lazy_initialization(old_layer.keys, old_layer.values)
+            layer.keys[:, :, : self.num_read] = old_layer.keys[:, :, : self.num_read]
+            layer.values[:, :, : self.num_read] = old_layer.values[:, :, : self.num_read]
+            layer.cumulative_length.fill_(self.num_read)
 
     # -- vocabularies ---------------------------------------------------------------------------
     def _bind_vocab(self, target_vocab_size: int) -> None:
@@ -110,6 +165,18 @@ class DraftLMSource:
         logits = draft_logits.new_full((draft_logits.shape[0], self._target_vocab_size), float("-inf"))
         logits[:, self.target_ids] = draft_logits[:, self.draft_ids]
         return logits
+
+
+def check_static_cache() -> None:
+    """A compiled draft rolls its ``StaticCache`` back with ``crop``, which writes through a position counter
+    (``StaticLayer.cumulative_length``); transformers releases without it are refused, naming the fix."""
+    if "cumulative_length" not in getattr(StaticLayer, "__annotations__", {}):
+        import transformers
+
+        raise SpecdraftError(
+            f"compiling a draft LM needs a transformers whose StaticCache rolls back with crop() (5.x); this is "
+            f"{transformers.__version__}: pip install -U transformers, or leave compile off."
+        )
 
 
 def vocab_map_from_tokenizers(draft_tokenizer, target_tokenizer, draft_vocab_size: int | None = None) -> torch.Tensor:
