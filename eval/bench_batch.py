@@ -6,12 +6,15 @@
 One `evaluate(...)` per batch size over the same prompts (the toy's held-out stdlib prompts, or
 Spec-Bench's questions for a chat target when ../shared has them): plain decoding, prompt lookup and
 each --drafter, chains of K=5, greedy. Greedy output must stay identical to plain decoding at every
-batch size. Prints a Markdown table.
+batch size. Prints a Markdown table. `--row-by-row` adds, for each drafter that drafts a batch's rows
+in one propose (its source names a ``row_state``: Medusa, the MLP speculator), the same drafter
+drafting row by row: what batching the drafts is worth.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -38,6 +41,25 @@ def prompts_for(target_name: str, count: int) -> tuple[list[Prompt], str]:
             for p in evals[:count]], "the toy's held-out stdlib prompts"
 
 
+class RowByRow:
+    """A source without ``row_state``: the batched decoder drafts its rows one at a time."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def fresh(self) -> RowByRow:  # each row its own copy of the source (fresh_sources)
+        return RowByRow(copy.copy(self.source))
+
+    def start(self, prompt_ids, target_out) -> None:
+        self.source.start(prompt_ids, target_out)
+
+    def propose(self, pending, k, params, generator):
+        return self.source.propose(pending, k, params, generator)
+
+    def commit(self, kept_ids, target_out) -> None:
+        self.source.commit(kept_ids, target_out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="toy")
@@ -47,6 +69,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--row-by-row", action="store_true",
+                        help="also each drafter whose rows draft in one propose, drafting row by row")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -57,6 +81,9 @@ def main() -> None:
     rows, verdicts = [], []
     for batch_size in args.batch_sizes:
         sources = {"prompt lookup": PromptLookupSource(), **{n: d.draft_source(target) for n, d in drafters.items()}}
+        if args.row_by_row:
+            sources.update({f"{n} (drafted row by row)": RowByRow(d.draft_source(target)) for n, d in drafters.items()
+                            if getattr(d.draft_source(target), "row_state", ())})  # fmt: skip
         result = evaluate(target, sources, prompts, SamplingParams(), k=args.k, max_new_tokens=args.max_new_tokens,
                           batch_size=batch_size, show_progress=False)  # fmt: skip
         for method, found in result["greedy_mismatches"].items():

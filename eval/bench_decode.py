@@ -10,6 +10,8 @@ Same target, same draft LM, same prompts, same process, all greedy:
                         transformers' assisted generation switches compilation off for its assistant
   HF prompt lookup      model.generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=3)
   specdraft, lookup     speculative_decode with PromptLookupSource(max_ngram=3)
+  --compile-target      also the compiled draft and prompt lookup with the target's verify compiled too
+                        (speculative_decode(compile_target=True): K+1 wide over a static cache)
 It checks every method emits the same tokens, and prints a Markdown table with tokens/s,
 speedups, specdraft's ratio over its transformers counterpart, and the decoder efficiency =
 measured speedup / speedup predicted from the measured alpha and c.
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (timings are steadier with 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-target", action="store_true",
+                        help="also the rows with the target's verify forward compiled (a one-time compile per cache size)")
     parser.add_argument("--hf-compiled-assistant", action="store_true",
                         help="also time assisted generation with the assistant's forward torch.compile'd by hand "
                              "(its warm-up compiles for about a minute)")
@@ -159,10 +163,11 @@ def main(argv=None) -> int:
                              eos_token_id=eos, pad_token_id=pad, **kwargs)  # fmt: skip
         return out[0, len(ids) :].tolist(), []
 
-    def ours(ids, source=None):
+    def ours(ids, source=None, compile_target=False):
         if source is None:
             return plain_decode(target, torch.tensor([ids]), max_new_tokens=max_new, eos_token_ids=eos).tokens, []
-        out = speculative_decode(target, source, torch.tensor([ids]), k=k, max_new_tokens=max_new, eos_token_ids=eos)
+        out = speculative_decode(target, source, torch.tensor([ids]), k=k, max_new_tokens=max_new, eos_token_ids=eos,
+                                 compile_target=compile_target)  # fmt: skip
         return out.tokens, out.steps
 
     methods = {"plain (specdraft)": lambda ids: ours(ids), "plain (HF generate)": lambda ids: hf(ids)}
@@ -176,6 +181,9 @@ def main(argv=None) -> int:
         compiled = DraftLMSource(draft, compile=True)
         pairs.append((pairs[-1][0], f"specdraft, draft LM compiled (K={k})"))
         methods[pairs[-1][1]] = lambda ids: ours(ids, compiled)
+        if args.compile_target:
+            pairs.append((pairs[-1][0], f"specdraft, draft LM and target verify compiled (K={k})"))
+            methods[pairs[-1][1]] = lambda ids: ours(ids, compiled, compile_target=True)
         if args.hf_compiled_assistant:
             # What a transformers user can do by hand: compile the assistant's forward (dynamic shapes, since
             # its DynamicCache grows every step). A copy, so the other methods keep the eager draft.
@@ -186,6 +194,9 @@ def main(argv=None) -> int:
     pairs.append((f"HF prompt lookup (K={k})", f"specdraft, prompt lookup (K={k})"))
     methods[pairs[-1][0]] = lambda ids: hf(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
     methods[pairs[-1][1]] = lambda ids: ours(ids, PromptLookupSource(max_ngram=3))
+    if args.compile_target:
+        pairs.append((pairs[-1][0], f"specdraft, prompt lookup, target verify compiled (K={k})"))
+        methods[pairs[-1][1]] = lambda ids: ours(ids, PromptLookupSource(max_ngram=3), compile_target=True)
     for fn in methods.values():  # warm-up
         fn(prompts[0][:16])
 

@@ -13,9 +13,11 @@
   4. assisted  the T=0 winner in transformers' assisted generation (same K, constant schedule, no
                confidence cut-off) against specdraft's decoder, greedy, same prompts: identical tokens
                required, wall clock compared; also with the student's decode step compiled
-               (DraftLMSource(compile=True); transformers switches compilation off for its assistant).
+               (DraftLMSource(compile=True); transformers switches compilation off for its assistant),
+               and with the target's verify compiled as well (speculative_decode(compile_target=True)).
 
-Writes WORK/results.json and WORK/report.md, and prints the Markdown.
+Writes WORK/results.json and WORK/report.md, and prints the Markdown. `--assisted-only CELL` runs
+step 4 alone on one cell (training only that cell if WORK holds no current run of it).
 """
 
 from __future__ import annotations
@@ -95,14 +97,17 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
     assistant.generation_config.num_assistant_tokens = K
     assistant.generation_config.num_assistant_tokens_schedule = "constant"  # K drafts every step, as ours
     assistant.generation_config.assistant_confidence_threshold = 0.0  # never cut a proposal short
-    seconds = {"transformers": 0.0, "specdraft": 0.0, "specdraft_forwards": 0.0, "specdraft_compiled": 0.0}
-    identical = identical_compiled = tokens = 0
-    # The same student with its decode step compiled (DraftLMSource(compile=True)): an untimed pass over the
-    # prompts compiles it for every cache size they need, so the timed loop measures steps, not the compiler.
+    seconds = {"transformers": 0.0, "specdraft": 0.0, "specdraft_forwards": 0.0, "specdraft_compiled": 0.0,
+               "specdraft_compiled_target": 0.0}
+    identical = identical_compiled = identical_compiled_target = tokens = 0
+    # The same student with its decode step compiled (DraftLMSource(compile=True)), then with the target's verify
+    # compiled too (compile_target): an untimed pass over the prompts compiles both for every cache size they
+    # need (the verify's sizes follow the budget), so the timed loop measures steps, not the compiler.
     compiled = DraftLMSource(assistant, compile=True)
     token_ids = [torch.tensor([prompt_token_ids(target.tokenizer, prompt)]) for prompt in prompts]
     for ids in token_ids:
-        speculative_decode(target, compiled, ids, k=K, params=SamplingParams(temperature=0), max_new_tokens=2)
+        speculative_decode(target, compiled, ids, k=K, params=SamplingParams(temperature=0),
+                           max_new_tokens=max_new_tokens, compile_target=True)  # fmt: skip
     for ids in token_ids:
         started = time.perf_counter()
         theirs = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
@@ -110,7 +115,10 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
                                        pad_token_id=eos)[0, ids.shape[1]:].tolist()
         seconds["transformers"] += time.perf_counter() - started
         started = time.perf_counter()
-        with time_in_forwards([target.base, target.lm_head, assistant]) as forwards:
+        # The student's decoder and head, not the student itself: DraftLMSource calls model.forward, which
+        # runs no hooks of the outer module.
+        with time_in_forwards([target.base, target.lm_head, assistant.get_decoder(),
+                               assistant.get_output_embeddings()]) as forwards:
             ours = speculative_decode(target, student.draft_source(target), ids, k=K,
                                       params=SamplingParams(temperature=0), max_new_tokens=max_new_tokens,
                                       eos_token_ids=eos).tokens
@@ -120,14 +128,23 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
         ours_compiled = speculative_decode(target, compiled, ids, k=K, params=SamplingParams(temperature=0),
                                            max_new_tokens=max_new_tokens, eos_token_ids=eos).tokens
         seconds["specdraft_compiled"] += time.perf_counter() - started
+        started = time.perf_counter()
+        ours_compiled_target = speculative_decode(target, compiled, ids, k=K, params=SamplingParams(temperature=0),
+                                                  max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                                                  compile_target=True).tokens  # fmt: skip
+        seconds["specdraft_compiled_target"] += time.perf_counter() - started
         identical += theirs == ours
         identical_compiled += theirs == ours_compiled
+        identical_compiled_target += theirs == ours_compiled_target
         tokens += len(ours)
     return {"prompts": len(prompts), "identical": identical, "tokens": tokens,
             "seconds": {k: round(v, 2) for k, v in seconds.items()},
             "specdraft_over_transformers": round(seconds["transformers"] / seconds["specdraft"], 2),
             "identical_compiled": identical_compiled,
             "compiled_over_transformers": round(seconds["transformers"] / seconds["specdraft_compiled"], 2),
+            "identical_compiled_target": identical_compiled_target,
+            "compiled_target_over_transformers": round(seconds["transformers"] / seconds["specdraft_compiled_target"],
+                                                       2),  # fmt: skip
             "forward_share": round(seconds["specdraft_forwards"] / seconds["specdraft"], 3),
             "ceiling": round(seconds["transformers"] / seconds["specdraft_forwards"], 2)}
 
@@ -137,18 +154,13 @@ def fitting_prompts(target, prompts, max_new_tokens: int) -> list:
             < target.config.max_position_embeddings]
 
 
-def assisted_only(work: Path, target_dir: Path, eval_prompts, max_new_tokens: int) -> None:
-    """Step 4 again, on the grid's T=0 winner as the last full run recorded it."""
-    if not (work / "results.json").is_file():
-        sys.exit(f"--assisted-only needs a finished grid in {work} (results.json): run without it first")
-    recorded = json.loads((work / "results.json").read_text())
-    name = recorded["winners"]["0.0"]
-    folder = work / "runs" / name / "drafter"
+def assisted_only(work: Path, target_dir: Path, eval_prompts, max_new_tokens: int, folder: Path, name: str) -> None:
+    """Step 4 alone, on one student: writes WORK/assisted-<name>.json."""
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
     assisted = {"student": name, **assisted_against_specdraft(target, load_drafter(folder, target).eval(),
                                                               fitting_prompts(target, eval_prompts, max_new_tokens),
                                                               max_new_tokens)}
-    (work / "assisted.json").write_text(json.dumps(assisted, indent=1))
+    (work / f"assisted-{name}.json").write_text(json.dumps(assisted, indent=1))
     print(json.dumps(assisted))
 
 
@@ -167,9 +179,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
-    parser.add_argument("--assisted-only", action="store_true",
-                        help="only step 4, on the T=0 winner of the grid WORK/results.json holds (same prompts); "
-                             "writes WORK/assisted.json")
+    parser.add_argument("--assisted-only", nargs="?", const="winner", default=None, metavar="CELL",
+                        help="only step 4, on CELL (trained here if WORK holds no current run of it), or on the T=0 "
+                             "winner of the grid WORK/results.json holds; writes WORK/assisted-<cell>.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -184,11 +196,20 @@ def main() -> None:
                                         args.answer_dtype)
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
                  "eval.enabled=false", f"training.max_steps={args.steps}", *args.set]
+    grid = {name: ("distillspec", recipe, overrides + cell) for name, cell in cells().items()}
     if args.assisted_only:
-        assisted_only(work, target_dir, eval_prompts, args.max_new_tokens)
+        name = args.assisted_only
+        if name == "winner":
+            if not (work / "results.json").is_file():
+                sys.exit(f"--assisted-only needs a finished grid in {work} (results.json), or a cell: "
+                         f"one of {', '.join(grid)}")
+            name = json.loads((work / "results.json").read_text())["winners"]["0.0"]
+        if name not in grid:
+            sys.exit(f"--assisted-only {name}: not a cell of the grid; the cells are {', '.join(grid)}")
+        run = train_runs({name: grid[name]}, work, 1, [answers, heldout_answers])[name]
+        assisted_only(work, target_dir, eval_prompts, args.max_new_tokens, Path(run["drafter"]), name)
         return
-    trained = train_runs({name: ("distillspec", recipe, overrides + cell) for name, cell in cells().items()},
-                         work, args.train_jobs, [answers, heldout_answers])
+    trained = train_runs(grid, work, args.train_jobs, [answers, heldout_answers])
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
     fits = fitting_prompts(target, eval_prompts, args.max_new_tokens)

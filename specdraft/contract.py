@@ -140,6 +140,11 @@ class DraftSource(Protocol):
     token s_{i+1} predict s_{i+2}). The target's outputs carry the features its
     drafters declared (``TargetNeeds``) at every position; prefill's logits cover the
     last position only.
+
+    Optional: ``row_state``, a tuple of attribute names. A source whose whole per-sequence
+    state is those tensors (dim 0 the batch) is drafted for all rows of a batch in one
+    ``propose`` (``specdraft.decoding.batched``), on a shallow copy holding the rows' states
+    concatenated; its chain of k drafts must begin with its chain of k' < k.
     """
 
     def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:

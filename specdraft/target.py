@@ -22,6 +22,7 @@ from torch import nn
 from .contract import TargetNeeds, TargetOutputs
 from .errors import SpecdraftError
 from .masks import block_causal_mask
+from .transformers_compat import cache_kwargs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -230,8 +231,8 @@ class FrozenTarget(nn.Module):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                **cache_kwargs(self.base, past_key_values),
             )
             hidden = out.last_hidden_state  # already passed through the final norm
             return TargetOutputs(

@@ -119,3 +119,70 @@ def test_bad_batches_are_refused(target):
     with pytest.raises(SpecdraftError, match="batched decoding verifies chains"):
         speculative_decode_batch(target, fresh_sources(TreeDrafting(TreeLookup(), StaticTree.chain(2)), B),
                                  batch_prompts(), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("family", ["medusa1", "mlp_speculator"])
+def test_heads_draft_every_row_in_one_propose(family, monkeypatch):
+    """Sources naming their ``row_state`` (heads reading one hidden state) draft the whole batch in one
+    propose a step, and each row gets what its own source drafts alone: the same greedy drafts, the same q
+    at T = 1 for every draft whose predecessors match (rows asking for fewer drafts get the start of
+    their chain). Copies of different drafters are never stacked."""
+    from specdraft.decoding.batched import _propose_rows
+    from specdraft.decoding.sampling import SamplingParams
+
+    target, source = tiny_target_for(family)
+    batch = batch_prompts()
+    calls = []
+    propose = type(source).propose
+    monkeypatch.setattr(type(source), "propose", lambda self, pending, *a: calls.append(pending.shape[0])
+                        or propose(self, pending, *a))  # fmt: skip
+    outs = speculative_decode_batch(target, fresh_sources(source, B), batch, k=3, max_new_tokens=MAX_NEW)
+    for prompt, out in zip(batch, outs):
+        assert out.tokens == plain_decode(target, prompt[None], max_new_tokens=MAX_NEW).tokens
+    assert len(calls) == max(len(out.steps) for out in outs) and calls[0] == B
+
+    _, other = tiny_target_for(family)  # a second drafter of the same kind, its weights moved
+    with torch.no_grad():
+        for module in (v for v in vars(other).values() if isinstance(v, torch.nn.Module)):
+            for param in module.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+    sources = fresh_sources(source, B - 1) + [other]
+    for s, prompt in zip(sources, batch):
+        s.start(prompt[None], target(prompt[None], logits="last"))
+    pending = torch.tensor([7, 11, 13, 17])
+    wanted = {0: 3, 1: 1, 2: 2}  # row 3 (the other drafter) is asked separately below
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+        rows = _propose_rows(sources, pending, wanted, params, torch.Generator().manual_seed(0))
+        for b, n in wanted.items():
+            alone = sources[b].propose(pending[b].view(1, 1), n, params, torch.Generator().manual_seed(0))
+            assert rows[b].tokens.shape == (1, n)
+            if params.is_greedy:
+                assert torch.equal(rows[b].tokens, alone.tokens)
+            else:
+                assert_same_q(rows[b], alone)
+    calls.clear()
+    mixed = _propose_rows(sources, pending, {0: 2, 3: 2}, SamplingParams(temperature=1.0), None)
+    assert calls == [1, 1]  # not stacked: rows 0 and 3 hold different drafters
+    assert_same_q(mixed[3], other.propose(pending[3].view(1, 1), 2, SamplingParams(temperature=1.0), None))
+
+
+def assert_same_q(proposal, alone):
+    """q of every draft up to the first that the two draws disagree on (draft j's q depends on the drafts
+    before it in the MLP speculator's chain)."""
+    same = (proposal.tokens == alone.tokens)[0].int().cumprod(0).sum()
+    torch.testing.assert_close(proposal.probs[:, : same + 1], alone.probs[:, : same + 1], rtol=1e-5, atol=1e-6)
+
+
+def test_kv_caches_go_under_the_name_transformers_takes(target, target_model):
+    """transformers 5.24 renamed a model's ``past_key_values`` argument to ``cache``; the old name warns on
+    every forward and goes in 5.40. The target, a draft LM (eager and compiled) and EAGLE-1's draft layer
+    (a transformers decoder layer) all pass their cache under the name their forward declares."""
+    import warnings
+
+    prompt = batch_prompts()[1][None]
+    eagle_target, eagle = tiny_target_for("eagle1")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        for source in (DraftLMSource(target_model), DraftLMSource(target_model, compile=True)):
+            speculative_decode(target, source, prompt, k=3, max_new_tokens=6)
+        speculative_decode(eagle_target, eagle, prompt, k=3, max_new_tokens=6)

@@ -193,13 +193,14 @@ def test_cli_end_to_end(tmp_path, capsys):
         "--target", str(target_dir), "--draft-model", str(target_dir), "--prompt-lookup", "--prompts", str(suite),
         "--num-prompts", "2", "-k", "3", "--max-new-tokens", "8", "--dtype", "float32", "--out", str(tmp_path / "out"),
         "--no-progress", "--compile-draft",  # the draft LM's steps compiled (eager draft LMs: test_distillspec)
+        "--compile-target",  # and the target's steps, plain and verify (eager ones: every other eval test)
     ])  # fmt: skip
     assert eval_run.run(args) == 0
     printed = capsys.readouterr().out
     assert "plain" in printed and "prompt_lookup" in printed and "target" in printed
     assert "identical to plain decoding: target 100%, prompt_lookup 100%" in printed
     result = json.loads((tmp_path / "out" / "result.json").read_text())
-    assert result["config"]["num_prompts"] == 2
+    assert result["config"]["num_prompts"] == 2 and result["config"]["compile_target"] is True
     assert (tmp_path / "out" / "speedup_heatmap.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -219,6 +220,7 @@ def test_cli_bad_input(tmp_path):
         (["--prompts", str(suite), "--draft-model", str(other_dir)], "--map-draft-vocab"),
         (["--prompts", str(suite), "--drafter", str(tmp_path)], "not a saved drafter"),
         (["--prompts", str(suite), "--tree", "medusa-8", "--batch-size", "4"], "one prompt at a time"),
+        (["--prompts", str(suite), "--prompt-lookup", "--batch-size", "2", "--compile-target"], "batches run eager"),
     ]
     for extra, message in cases:
         with pytest.raises(SpecdraftError, match=message):

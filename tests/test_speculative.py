@@ -317,3 +317,56 @@ def test_compiling_a_draft_needs_a_static_cache_that_rolls_back(monkeypatch, tar
     monkeypatch.setattr(sources_module.StaticLayer, "__annotations__", {})
     with pytest.raises(SpecdraftError, match="pip install -U transformers"):
         DraftLMSource(target_model, compile=True)
+
+
+def test_a_compiled_verify_decodes_the_targets_greedy_tokens(target, target_model):
+    """compile_target: every verify runs K+1 wide, compiled over a static cache. Prompt lookup proposes 0 to K
+    drafts (padded steps), the draft LM rolls back by every length, and the budget's end shortens the last steps.
+    Plain decoding's steps compile the same way, 1 wide."""
+    for prompt in prompts(3)[1:]:
+        assert plain_decode(target, prompt, max_new_tokens=MAX_NEW, compile_target=True).tokens == \
+            hf_greedy(target_model, prompt, MAX_NEW)
+    for source in (DraftLMSource(noisy_copy(target_model, 0.2, seed=1)), PromptLookupSource(max_ngram=3, min_ngram=1)):
+        widths = set()
+        for prompt in prompts(4)[1:]:
+            out = speculative_decode(target, source, prompt, k=4, max_new_tokens=MAX_NEW, compile_target=True)
+            assert out.tokens == hf_greedy(target_model, prompt, MAX_NEW)
+            widths |= {s.num_drafted for s in out.steps}
+        assert len(widths) > 2  # steps of several widths went through the one compiled shape
+
+
+def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
+    """The verify's logits and final hidden states against the eager target's over the same tokens: a full-width
+    step, a rollback of 3 (stale keys left in the static cache), then a narrower, padded step, which must not read
+    them. A tree refuses compile_target, and so does a target that hands out taps."""
+    from specdraft.decoding.compiled_verify import compiled_verify
+
+    verifier = compiled_verify(target, True)
+    g = torch.Generator().manual_seed(0)
+    prompt, first, second = (torch.randint(3, VOCAB, (1, n), generator=g) for n in (9, 5, 2))
+    cache = verifier.new_cache(32, 5)
+    target(prompt, past_key_values=cache.static, use_cache=True, logits="none")
+    cache.length = 9
+    context = prompt
+    for step, kept in ((first, 2), (second, 2)):
+        ours = verifier(step, past_key_values=cache)
+        context = torch.cat([context, step], dim=1)
+        theirs = target(context)
+        torch.testing.assert_close(ours.logits, theirs.logits[:, -step.shape[1] :], rtol=0, atol=1e-5)
+        assert cache.length == context.shape[1] and int(cache.static.get_seq_length()) == cache.length
+        cache.crop(kept - step.shape[1])
+        context = context[:, : cache.length]
+
+    class TreeLookup(PromptLookupSource):
+        def propose(self, pending, k, params, generator):
+            return Proposal(torch.tensor([[5, 6]]), None, torch.tensor([[-1, -1]]))
+
+    with pytest.raises(SpecdraftError, match="compile_target verifies chains"):
+        speculative_decode(target, TreeLookup(), prompts(2)[1], k=2, max_new_tokens=8, compile_target=True)
+    with pytest.raises(SpecdraftError, match="EAGLE's taps"):
+        compiled_verify(FrozenTarget(target.model, needs=TargetNeeds(taps=(1,))), True)
+    later = FrozenTarget(target.model)
+    verifier = compiled_verify(later, True)
+    later.require(TargetNeeds(taps=(1,)))  # an EAGLE drafter put on the target after its verify was compiled
+    with pytest.raises(SpecdraftError, match="EAGLE's taps"):
+        verifier.new_cache(16, 2)

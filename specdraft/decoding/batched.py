@@ -8,10 +8,12 @@ out, so nothing is copied on a rollback: the attention mask is what rolls back. 
 slots per token of cache, and uses only what transformers' models accept from any caller (a cache, a
 4-D boolean mask and position ids), so it holds across transformers' cache refactors.
 
-Drafting stays per row: each row has its own ``DraftSource`` (drafts are cheap next to the target's
-forward); the target's forward and the verify (``specdraft.decoding.verify``, whose kernel takes a
-ragged batch) are batched. At temperature 0 each row's output is what ``speculative_decode`` gives
-that prompt alone.
+Each row has its own ``DraftSource``. A source whose per-sequence state is a few tensors (it names
+them in ``row_state``: Medusa heads and the MLP speculator, which read one hidden state) drafts every
+row in one ``propose`` over the rows' states stacked; the others (a KV cache per row: EAGLE, draft
+LMs; a token history: prompt lookup) draft row by row. The target's forward and the verify
+(``specdraft.decoding.verify``, whose kernel takes a ragged batch) are batched. At temperature 0
+each row's output is what ``speculative_decode`` gives that prompt alone.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from specdraft.contract import TargetOutputs
+from specdraft.contract import Proposal, TargetOutputs
 from specdraft.decoding import verify as verify_lib
 from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.sampling import (
@@ -104,19 +106,15 @@ def speculative_decode_batch(
         rows = [b for b in range(batch) if active(b)]
         drafts = {b: pending.new_zeros(1, 0) for b in rows}
         q = {b: None for b in rows}
-        draft_seconds = dict.fromkeys(rows, 0.0)
-        t1 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         if sources is not None:
-            for b in rows:
-                t0 = time.perf_counter()
-                proposal = sources[b].propose(pending[b].view(1, 1), min(k, budgets[b] - len(tokens[b])), params,
-                                              generator)  # fmt: skip
+            wanted = {b: min(k, budgets[b] - len(tokens[b])) for b in rows}
+            for b, proposal in _propose_rows(sources, pending, wanted, params, generator).items():
                 if proposal.parents is not None:
                     raise SpecdraftError("batched decoding verifies chains; decode trees one prompt at a time")
                 if not steps[b]:
                     _check_proposal(sources[b], proposal, k)
                 drafts[b], q[b] = proposal.tokens, proposal.probs
-                draft_seconds[b] = time.perf_counter() - t0
             t1 = time.perf_counter()
 
         # One forward over [pending, d_1..d_K'] for every row, padded to the longest row's K'+1 (a finished row
@@ -150,13 +148,43 @@ def speculative_decode_batch(
                 sources[b].commit(torch.cat([pending[b].view(1, 1), drafts[b][:, :n]], dim=1),
                                   _row(out, b, slice(0, n + 1)))  # fmt: skip
                 commit_seconds = time.perf_counter() - t3
-                # the target's forward and verify are shared by the batch: each row is charged all of it
-                steps[b].append(StepStats(drafts[b].shape[1], n, draft_seconds[b] + commit_seconds, t2 - t1))
+                # The batch waits for every row's drafts, and shares the target's forward and verify: each row
+                # is charged the whole step's drafting and verifying (c is then the batch's draft cost).
+                steps[b].append(StepStats(drafts[b].shape[1], n, t1 - t0 + commit_seconds, t2 - t1))
         pending = next_pending
 
     seconds = time.perf_counter() - start
     return [DecodeOutput(_truncate(tokens[b], budgets[b], stop_ids), steps[b], prefill_seconds, seconds, batch)
             for b in range(batch)]
+
+
+def _propose_rows(sources: list, pending: torch.Tensor, wanted: dict[int, int], params, generator) -> dict:
+    """Row b -> its proposal of at most ``wanted[b]`` drafts ([1, K_b]).
+
+    Sources naming their per-sequence state (``row_state``: attributes holding tensors whose dim 0 is the
+    batch) that otherwise share everything (copies of one source: same model) draft all rows in one
+    ``propose``, on a copy holding the rows' states stacked; each row keeps the first ``wanted[b]`` drafts
+    of its chain, which are what it would draft alone. Any other sources draft row by row."""
+    rows = list(wanted)
+    first = sources[rows[0]]
+    names = getattr(first, "row_state", ())
+    shared = {name: value for name, value in vars(first).items() if name not in names}
+    if len(rows) == 1 or not names or any(
+        type(sources[b]) is not type(first) or vars(sources[b]).keys() != vars(first).keys()
+        or any(vars(sources[b])[name] is not value for name, value in shared.items()) for b in rows
+    ):
+        return {b: sources[b].propose(pending[b].view(1, 1), wanted[b], params, generator) for b in rows}
+    stacked = copy.copy(first)
+    for name in names:
+        setattr(stacked, name, torch.cat([getattr(sources[b], name) for b in rows]))
+    proposal = stacked.propose(pending[rows].view(-1, 1), max(wanted.values()), params, generator)
+
+    def row(x, i, n):
+        return None if x is None else x[i : i + 1, :n]
+
+    return {b: Proposal(row(proposal.tokens, i, wanted[b]), row(proposal.probs, i, wanted[b]),
+                        row(proposal.parents, i, wanted[b]))
+            for i, b in enumerate(rows)}  # fmt: skip
 
 
 def fresh_sources(source, count: int) -> list:

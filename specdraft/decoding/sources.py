@@ -14,6 +14,7 @@ from specdraft.contract import Proposal, TargetOutputs
 from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.sampling import SamplingParams, logits_to_probs, sample
 from specdraft.errors import SpecdraftError
+from specdraft.transformers_compat import cache_kwargs
 
 
 class DraftLMSource:
@@ -89,12 +90,12 @@ class DraftLMSource:
             if self.num_read + n > self.capacity:
                 self._grow(self.num_read + n)
             # A static cache attends over all its slots; the mask comes from these positions, so slots past
-            # them (rejected drafts, not yet overwritten) are never seen.
-            kwargs["cache_position"] = torch.arange(self.num_read, self.num_read + n, device=target_ids.device)
+            # them (rejected drafts, not yet overwritten) are never seen. (Writes follow the cache's counter.)
+            kwargs["position_ids"] = torch.arange(self.num_read, self.num_read + n, device=target_ids.device)[None]
             if n <= 2:  # decode steps; a prompt's prefill (any width) stays eager
                 forward = self._compiled_step
-        out = forward(input_ids=self._to_draft_ids(target_ids), past_key_values=self.cache, use_cache=True,
-                      logits_to_keep=1, **kwargs)  # fmt: skip
+        out = forward(input_ids=self._to_draft_ids(target_ids), use_cache=True, logits_to_keep=1,
+                      **cache_kwargs(self.model, self.cache), **kwargs)  # fmt: skip
         self.num_read += n
         return out.logits[:, -1]
 
@@ -109,8 +110,8 @@ class DraftLMSource:
             device = self.model.get_output_embeddings().weight.device
             for width in (1, 2):
                 self._compiled_step(input_ids=torch.zeros(1, width, dtype=torch.long, device=device),
-                                    past_key_values=cache, use_cache=True, logits_to_keep=1,
-                                    cache_position=torch.arange(width, device=device))  # fmt: skip
+                                    use_cache=True, logits_to_keep=1, position_ids=torch.arange(width, device=device)[None],
+                                    **cache_kwargs(self.model, cache))  # fmt: skip
                 cache.crop(-width)
             self._compiled_sizes.add(self.capacity)
         return cache

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.decoding import verify as verify_lib
+from specdraft.decoding.compiled_verify import compiled_verify
 from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.tree_verify import verify_tree
 from specdraft.decoding.trees import (
@@ -90,10 +91,12 @@ def speculative_decode(
     lenience: float = 1.0,  # LOSSY below 1: accept while u < p / (lenience * q)
     typical_acceptance: bool = False,  # LOSSY: Medusa's typical acceptance instead of exact verify
     timing: bool = True,  # split each step's time into draft and target (on CUDA: a sync per split)
+    compile_target: bool | str = False,  # the chain verify's forward compiled (True, or a torch.compile mode)
 ) -> DecodeOutput:
     """Generate up to ``max_new_tokens`` tokens with drafts from ``source``, K per step (a tree each step
     if the source proposes one, see ``TreeDrafting``). ``timing=False`` leaves the steps' seconds at 0 and
-    the hot loop free of clock syncs; the whole call is still timed."""
+    the hot loop free of clock syncs; the whole call is still timed. ``compile_target`` runs each verify
+    K+1 wide over a static cache, compiled (``specdraft.decoding.compiled_verify``): chains only."""
     budget = check_decode_args(target, prompt_ids, max_new_tokens, k=k, lenience=lenience)
     stop_ids = _stop_ids(eos_token_ids)
     device = prompt_ids.device
@@ -103,8 +106,7 @@ def speculative_decode(
     # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
     # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
     # token is drawn from p. The cache is sized for the prompt, the budget and one step's drafts.
-    cache = preallocated_cache(target.config, prompt_ids.shape[1] + budget + k + 1)
-    out = target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
+    verifier, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget, k + 1, compile_target)
     source.start(prompt_ids, out)
     pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
     tokens, steps, alphas = [pending.item()], [], []
@@ -118,8 +120,11 @@ def speculative_decode(
             _check_proposal(source, proposal, k_step)
         t1 = clock()
         if proposal.parents is None:
-            step = _verify_chain(target, cache, pending, proposal, params, generator, lenience, typical_acceptance,
+            step = _verify_chain(verifier, cache, pending, proposal, params, generator, lenience, typical_acceptance,
                                  check=not steps)  # fmt: skip
+        elif compile_target:
+            raise SpecdraftError(f"{type(source).__name__} proposed a tree, and compile_target verifies chains: "
+                                 "decode trees with compile_target off")
         else:  # a tree: every node verified in the one forward, with a tree attention mask
             step = _verify_tree(target, cache, pending, proposal, params, generator, typical_acceptance)
         t2 = clock()
@@ -151,22 +156,36 @@ def plain_decode(
     max_new_tokens: int = 128,
     eos_token_ids: int | list[int] | None = None,
     generator: torch.Generator | None = None,
+    compile_target: bool | str = False,  # each step's forward compiled, as speculative_decode's verify
 ) -> DecodeOutput:
     """The baseline: the same target and KV cache code, one token per forward."""
     budget = check_decode_args(target, prompt_ids, max_new_tokens)
     stop_ids = _stop_ids(eos_token_ids)
     device = prompt_ids.device
     start = _clock(device)
-    cache = preallocated_cache(target.config, prompt_ids.shape[1] + budget)
-    out = target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
+    forward, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget, 1, compile_target)
     token = _next_token(out.logits[:, -1], params, generator)
     tokens = [token.item()]
     prefill_seconds = _clock(device) - start
     while len(tokens) < budget and tokens[-1] not in stop_ids:
-        out = target(token, past_key_values=cache, use_cache=True, logits="last")
+        out = forward(token, past_key_values=cache, use_cache=True, logits="last")
         token = _next_token(out.logits[:, -1], params, generator)
         tokens.append(token.item())
     return DecodeOutput(tokens, [], prefill_seconds, _clock(device) - start)
+
+
+def _prefill(target, prompt_ids: torch.Tensor, positions: int, width: int, compile_target: bool | str):
+    """The target reads the prompt into a new cache for ``positions`` positions, with room for one step ``width``
+    wide past them; returns the forward the decode steps call, the cache, and the prompt's outputs. With
+    ``compile_target`` the steps run compiled, ``width`` wide over a static cache; the prefill stays eager."""
+    if not compile_target:
+        cache = preallocated_cache(target.config, positions + width)
+        return target, cache, target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
+    forward = compiled_verify(target, compile_target)
+    cache = forward.new_cache(positions, width)
+    out = target(prompt_ids, past_key_values=cache.static, use_cache=True, logits="last")
+    cache.length = prompt_ids.shape[1]
+    return forward, cache, out
 
 
 def check_decode_args(target, prompt_ids, max_new_tokens: int, k: int = 1, lenience: float = 1.0) -> int:

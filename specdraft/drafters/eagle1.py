@@ -27,6 +27,7 @@ from torch import nn
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
 from ..masks import block_causal_mask
+from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
     KVCache,
@@ -108,8 +109,8 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         embeds = self.embed_tokens(tokens).to(features.dtype)
         x = self.fc(torch.cat([embeds, features], dim=-1))
         out = self.layers[0](
-            x, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
-            position_embeddings=self.rotary_emb(x, positions),
+            x, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
+            position_embeddings=self.rotary_emb(x, positions), **cache_kwargs(self.layers[0], cache),
         )
         return out[0] if isinstance(out, tuple) else out
 

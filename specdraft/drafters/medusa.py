@@ -314,6 +314,8 @@ class MedusaDraftSource:
     whose next token is the pending one (chosen by the target's own head): head k then drafts the
     token k+1 places after the pending one. ``start`` and ``commit`` only keep that hidden state."""
 
+    row_state = ("last_hidden",)  # a batch's rows draft in one propose, over their hidden states stacked
+
     def __init__(self, drafter: MedusaDrafter):
         self.drafter = drafter
 

@@ -528,6 +528,8 @@ class MLPSpeculatorSource:
     the pending token and head i the draft head i-1 drew. No host sync.
     """
 
+    row_state = ("state",)  # a batch's rows draft in one propose, over their states stacked
+
     def __init__(self, drafter: MLPSpeculator):
         self.heads = drafter.speculator
 

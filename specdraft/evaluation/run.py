@@ -47,11 +47,13 @@ def evaluate(
     wandb_run=None,
     show_progress: bool = True,
     batch_size: int = 1,
+    compile_target: bool | str = False,
 ) -> dict:
     """Decode every prompt with plain decoding and with each source; return (and write) the report dict.
 
     ``batch_size`` > 1 decodes that many prompts together (``speculative_decode_batch``: chains, exact
-    verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput."""
+    verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput.
+    ``compile_target`` compiles the target's decode forwards, plain decoding's and the chain verifies' alike."""
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -67,7 +69,8 @@ def evaluate(
     def decode(source, ids: list[int], generator_seed: int, max_new: int) -> DecodeOutput:
         prompt_ids = torch.tensor([ids], device=device)
         g = torch.Generator(device=device).manual_seed(generator_seed)
-        common = dict(params=params, max_new_tokens=max_new, eos_token_ids=stop_ids, generator=g)
+        common = dict(params=params, max_new_tokens=max_new, eos_token_ids=stop_ids, generator=g,
+                      compile_target=compile_target)  # fmt: skip
         if source is None:
             return plain_decode(target, prompt_ids, **common)
         # A tree method drafts its tree's whole depth; k is the chains' length.
@@ -78,6 +81,9 @@ def evaluate(
     if batch_size < 1 or (batch_size > 1 and (lenience < 1.0 or typical_acceptance)):
         raise SpecdraftError(f"batch_size must be >= 1 (got {batch_size}), and batches verify exactly: drop "
                              "--lenience / --typical-acceptance, or decode with --batch-size 1")
+    if batch_size > 1 and compile_target:
+        raise SpecdraftError("compile_target compiles one prompt's decode; batches run eager: drop --compile-target, "
+                             "or decode with --batch-size 1")
 
     # Warm up every method (lazy initialisation, allocator) so the first timed decode is not penalised.
     warmup_ids = prompt_token_ids(tokenizer, prompts[0], prefix_tokens=prefix_tokens)
@@ -122,7 +128,7 @@ def evaluate(
     bar.close()
 
     result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
-                                batch_size),
+                                batch_size, compile_target),
               "methods": {name: _summaries(records[name], records[PLAIN], k) for name in methods}}  # fmt: skip
     if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
         plain_tokens = [out.tokens for _, out in records[PLAIN]]
@@ -243,9 +249,10 @@ def _stop_ids(target, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device, batch_size) -> dict:
+def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device, batch_size,
+            compile_target) -> dict:  # fmt: skip
     return {
-        "batch_size": batch_size,
+        "batch_size": batch_size, "compile_target": compile_target,
         "k": k, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
         "max_new_tokens": max_new_tokens, "seed": seed, "lenience": lenience,
         "typical_acceptance": typical_acceptance, "lossy": lenience < 1.0 or typical_acceptance,
@@ -269,6 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-draft", action="store_true",
                         help="compile each --draft-model's decode step (torch.compile over a static cache): "
                              "faster steps after a one-time compile of seconds to a minute")
+    parser.add_argument("--compile-target", action="store_true",
+                        help="compile the target's decode forwards (plain steps and chain verifies, over a static "
+                             "cache): targets without EAGLE taps or adapters, chains, batch size 1")
     parser.add_argument("--prompt-lookup", action="store_true", help="also evaluate n-gram prompt lookup (no model)")
     parser.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
                         help="suite(s): Spec-Bench/MT-bench question JSONL, JSONL with `prompt` or `text`, "
@@ -372,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
         target, sources, args.prompts, params, k=args.k, max_new_tokens=args.max_new_tokens, out_dir=args.out,
         num_prompts=args.num_prompts, prefix_tokens=args.prefix_tokens, seed=args.seed, lenience=args.lenience,
         typical_acceptance=args.typical_acceptance, wandb_run=wandb_run, show_progress=not args.no_progress,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size, compile_target=args.compile_target,
     )  # fmt: skip
     if wandb_run is not None:
         wandb_run.finish()

@@ -1,0 +1,119 @@
+"""The target's verify forward compiled: gpt-fast's decode loop, one shape per step.
+
+A chain's verify reads [pending, d_1..d_K'] at positions past..past+K'. Over transformers' ``StaticCache``
+(each layer one buffer, sized once) and with the inputs padded to K+1, every step has the same shapes, so
+``torch.compile`` traces one graph per cache size and K, and a step runs without Python's per-op overhead.
+The padding's keys land in slots past the kept length and are cropped at once; a rejected draft's are
+cropped after the verify (``StaticCache.crop`` moves the counter its writes follow). A query attends only
+up to its own position (``position_ids``), so stale slots are never read. The prompt's prefill stays eager.
+
+Chains only: a tree's verify takes its own attention mask over the cache. Targets that hand drafters
+their intermediate layers (EAGLE's taps, read by hooks) or train adapters stay eager for now.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from transformers import StaticCache
+
+from specdraft.contract import TargetOutputs
+from specdraft.decoding.sources import check_static_cache
+from specdraft.errors import SpecdraftError
+from specdraft.transformers_compat import cache_kwargs
+
+# One compiled forward per (target, mode): every decode of that target reuses its graphs.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class StaticVerifyCache:
+    """A decode's ``StaticCache`` and, on the host, how many positions it holds (no sync to read it)."""
+
+    def __init__(self, static: StaticCache, width: int):
+        self.static, self.length, self.width = static, 0, width  # every verify step runs ``width`` wide
+
+    def crop(self, tokens_to_remove: int) -> None:  # transformers' convention: a negative count from the end
+        self.static.crop(tokens_to_remove)
+        self.length += tokens_to_remove
+
+
+class CompiledVerify:
+    """``verify(ids, past_key_values=cache, use_cache=True, logits="full" | "last")``: the target's forward over
+    a decode step, as ``FrozenTarget.__call__`` returns it, compiled. ``new_cache`` makes a decode's cache."""
+
+    def __init__(self, target, mode: str | None = None):
+        check_static_cache()
+        self.target, self.mode = target, mode
+        self._check_target()
+        base, head = target.base, target.lm_head
+        keyword = next(iter(cache_kwargs(base, None)))
+
+        def forward(ids, cache, positions):
+            hidden = base(input_ids=ids, use_cache=True, position_ids=positions, **{keyword: cache})
+            hidden = hidden.last_hidden_state  # after the final norm
+            return hidden, head(hidden).float()
+
+        self._forward = torch.compile(forward, mode=mode, dynamic=False)  # one graph per (cache size, width)
+        # CUDA-graph modes replay into the same output memory: a source keeping a step's hidden state past the
+        # next step would see it overwritten, so those modes hand out copies.
+        self._copy_outputs = mode in ("reduce-overhead", "max-autotune")
+        self._compiled = set()  # (cache size, width) pairs already traced
+
+    def _check_target(self) -> None:
+        """The compiled forward computes logits and the final hidden state, no more. A target's needs grow as
+        drafters are put on it, so this is checked for every decode, not once."""
+        if self.target.needs.taps or self.target.needs.trains_adapters:
+            raise SpecdraftError(
+                "compile_target covers targets that give drafters their logits and final hidden state; this one "
+                "also hands out intermediate layers (EAGLE's taps) or trains adapters (Medusa-2): decode it with "
+                "compile_target off")
+
+    def new_cache(self, positions: int, width: int) -> StaticVerifyCache:
+        """A decode's cache for ``positions`` kept positions, with room for one padded step of ``width`` past
+        them; sized in powers of two, so few sizes (few compiled graphs) serve all prompts. A size and width
+        used for the first time are compiled here, so no decode step waits on the compiler."""
+        self._check_target()
+        capacity = 1 << (positions + width - 1).bit_length()
+        cache = StaticVerifyCache(StaticCache(config=self.target.config, max_cache_len=capacity), width)
+        if (capacity, width) not in self._compiled:
+            ids = torch.zeros(1, width, dtype=torch.long, device=self.target.lm_head.weight.device)
+            # An eager token first: the graph must be traced on an allocated cache, as every decode step sees it
+            # (tracing the empty one bakes in a branch the next call fails, so the first step would recompile).
+            self.target(ids[:, :1], past_key_values=cache.static, use_cache=True, logits="none")
+            cache.length = 1
+            self(ids, cache)
+            cache.crop(-cache.length)
+            self._compiled.add((capacity, width))
+        return cache
+
+    def __call__(self, ids: torch.Tensor, past_key_values: StaticVerifyCache, use_cache: bool = True,
+                 logits: str = "full") -> TargetOutputs:  # fmt: skip
+        cache, n, width = past_key_values, ids.shape[1], past_key_values.width
+        if logits not in ("full", "last"):
+            raise SpecdraftError(f"a compiled verify returns full or last logits, not {logits!r}")
+        if n > width:
+            raise SpecdraftError(f"a compiled verify step of width {width} got {n} tokens")
+        padded = F.pad(ids, (0, width - n)) if n < width else ids  # pad slots: cropped below, never read
+        positions = torch.arange(cache.length, cache.length + width, device=ids.device)[None]
+        hidden, full = self._forward(padded, cache.static, positions)
+        cache.length += width
+        if n < width:
+            cache.crop(n - width)
+        hidden, full = hidden[:, :n], full[:, :n]
+        if self._copy_outputs:
+            hidden, full = hidden.clone(), full.clone()
+        final = hidden if self.target.needs.final_hidden else None
+        if logits == "last":
+            return TargetOutputs(logits=full[:, -1:], last_only=True, final_hidden=final)
+        return TargetOutputs(logits=full, final_hidden=final)
+
+
+def compiled_verify(target, mode: bool | str) -> CompiledVerify:
+    """The target's compiled verify for ``mode`` (True: torch.compile's default), made once per target."""
+    mode = None if mode is True else mode
+    per_target = _COMPILED.setdefault(target, {})
+    if mode not in per_target:
+        per_target[mode] = CompiledVerify(target, mode)
+    return per_target[mode]
