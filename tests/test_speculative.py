@@ -267,6 +267,9 @@ def test_drafter_families_plug_in(family):
         expected = plain_decode(target, prompt, max_new_tokens=MAX_NEW).tokens
         assert hf_greedy(target.model, prompt, MAX_NEW) == expected
         assert speculative_decode(target, source, prompt, k=3, max_new_tokens=MAX_NEW).tokens == expected
+        # the target's verify compiled: EAGLE's taps come from its hidden states instead of hooks
+        assert speculative_decode(target, source, prompt, k=3, max_new_tokens=MAX_NEW,
+                                  compile_target=True).tokens == expected  # fmt: skip
 
 
 def test_a_compiled_draft_decodes_the_targets_greedy_tokens(target, target_model):
@@ -336,11 +339,13 @@ def test_a_compiled_verify_decodes_the_targets_greedy_tokens(target, target_mode
 
 
 def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
-    """The verify's logits and final hidden states against the eager target's over the same tokens: a full-width
-    step, a rollback of 3 (stale keys left in the static cache), then a narrower, padded step, which must not read
-    them. A tree refuses compile_target, and so does a target that hands out taps."""
+    """The verify's logits, final hidden states and taps (layer inputs, EAGLE's features) against the eager
+    target's over the same tokens: a full-width step, a rollback of 3 (stale keys left in the static cache), then
+    a narrower, padded step, which must not read them. A tree refuses compile_target, and so does a target that
+    trains adapters, also when they are declared after the verify was compiled."""
     from specdraft.decoding.compiled_verify import compiled_verify
 
+    target = FrozenTarget(target.model, needs=TargetNeeds(taps=(0, 1), final_hidden=True))
     verifier = compiled_verify(target, True)
     g = torch.Generator().manual_seed(0)
     prompt, first, second = (torch.randint(3, VOCAB, (1, n), generator=g) for n in (9, 5, 2))
@@ -352,7 +357,10 @@ def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
         ours = verifier(step, past_key_values=cache)
         context = torch.cat([context, step], dim=1)
         theirs = target(context)
-        torch.testing.assert_close(ours.logits, theirs.logits[:, -step.shape[1] :], rtol=0, atol=1e-5)
+        for field in ("logits", "final_hidden", "aux_hidden"):
+            torch.testing.assert_close(getattr(ours, field), getattr(theirs, field)[:, -step.shape[1] :], rtol=0,
+                                       atol=1e-5)  # fmt: skip
+        assert ours.taps == (0, 1)
         assert cache.length == context.shape[1] and int(cache.static.get_seq_length()) == cache.length
         cache.crop(kept - step.shape[1])
         context = context[:, : cache.length]
@@ -363,10 +371,10 @@ def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
 
     with pytest.raises(SpecdraftError, match="compile_target verifies chains"):
         speculative_decode(target, TreeLookup(), prompts(2)[1], k=2, max_new_tokens=8, compile_target=True)
-    with pytest.raises(SpecdraftError, match="EAGLE's taps"):
-        compiled_verify(FrozenTarget(target.model, needs=TargetNeeds(taps=(1,))), True)
+    with pytest.raises(SpecdraftError, match="trains adapters"):
+        compiled_verify(FrozenTarget(target.model, needs=TargetNeeds(trains_adapters=True)), True)
     later = FrozenTarget(target.model)
     verifier = compiled_verify(later, True)
-    later.require(TargetNeeds(taps=(1,)))  # an EAGLE drafter put on the target after its verify was compiled
-    with pytest.raises(SpecdraftError, match="EAGLE's taps"):
+    later.require(TargetNeeds(trains_adapters=True))  # a Medusa-2 drafter put on it after the verify was compiled
+    with pytest.raises(SpecdraftError, match="trains adapters"):
         verifier.new_cache(16, 2)

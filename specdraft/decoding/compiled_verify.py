@@ -7,8 +7,9 @@ The padding's keys land in slots past the kept length and are cropped at once; a
 cropped after the verify (``StaticCache.crop`` moves the counter its writes follow). A query attends only
 up to its own position (``position_ids``), so stale slots are never read. The prompt's prefill stays eager.
 
-Chains only: a tree's verify takes its own attention mask over the cache. Targets that hand drafters
-their intermediate layers (EAGLE's taps, read by hooks) or train adapters stay eager for now.
+EAGLE's taps (the inputs of chosen layers) come from the forward's hidden states, not from hooks. Chains
+only: a tree's verify takes its own attention mask over the cache. A target that trains adapters
+(Medusa-2's) stays eager.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ class CompiledVerify:
         base, head = target.base, target.lm_head
         keyword = next(iter(cache_kwargs(base, None)))
 
-        def forward(ids, cache, positions):
-            hidden = base(input_ids=ids, use_cache=True, position_ids=positions, **{keyword: cache})
-            hidden = hidden.last_hidden_state  # after the final norm
-            return hidden, head(hidden).float()
+        def forward(ids, cache, positions, layer_inputs: bool):
+            out = base(input_ids=ids, use_cache=True, position_ids=positions, output_hidden_states=layer_inputs,
+                       **{keyword: cache})  # fmt: skip
+            hidden = out.last_hidden_state  # after the final norm
+            # hidden_states[i] is the input of layer i: tap i (the target's convention)
+            return hidden, head(hidden).float(), out.hidden_states if layer_inputs else None
 
         self._forward = torch.compile(forward, mode=mode, dynamic=False)  # one graph per (cache size, width)
         # CUDA-graph modes replay into the same output memory: a source keeping a step's hidden state past the
@@ -62,12 +65,10 @@ class CompiledVerify:
         self._compiled = set()  # (cache size, width) pairs already traced
 
     def _check_target(self) -> None:
-        """The compiled forward computes logits and the final hidden state, no more. A target's needs grow as
-        drafters are put on it, so this is checked for every decode, not once."""
-        if self.target.needs.taps or self.target.needs.trains_adapters:
+        """A frozen target only. Its needs grow as drafters are put on it, so this is checked for every decode."""
+        if self.target.needs.trains_adapters:
             raise SpecdraftError(
-                "compile_target covers targets that give drafters their logits and final hidden state; this one "
-                "also hands out intermediate layers (EAGLE's taps) or trains adapters (Medusa-2): decode it with "
+                "compile_target compiles a frozen target, and this one trains adapters (Medusa-2's): decode it with "
                 "compile_target off")
 
     def new_cache(self, positions: int, width: int) -> StaticVerifyCache:
@@ -97,17 +98,19 @@ class CompiledVerify:
             raise SpecdraftError(f"a compiled verify step of width {width} got {n} tokens")
         padded = F.pad(ids, (0, width - n)) if n < width else ids  # pad slots: cropped below, never read
         positions = torch.arange(cache.length, cache.length + width, device=ids.device)[None]
-        hidden, full = self._forward(padded, cache.static, positions)
+        taps = self.target.needs.taps
+        hidden, full, layer_inputs = self._forward(padded, cache.static, positions, bool(taps))
         cache.length += width
         if n < width:
             cache.crop(n - width)
         hidden, full = hidden[:, :n], full[:, :n]
+        aux = torch.cat([layer_inputs[t][:, :n] for t in taps], dim=-1) if taps else None  # a copy
         if self._copy_outputs:
             hidden, full = hidden.clone(), full.clone()
         final = hidden if self.target.needs.final_hidden else None
         if logits == "last":
-            return TargetOutputs(logits=full[:, -1:], last_only=True, final_hidden=final)
-        return TargetOutputs(logits=full, final_hidden=final)
+            full = full[:, -1:]
+        return TargetOutputs(logits=full, last_only=logits == "last", final_hidden=final, aux_hidden=aux, taps=taps)
 
 
 def compiled_verify(target, mode: bool | str) -> CompiledVerify:

@@ -278,7 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "faster steps after a one-time compile of seconds to a minute")
     parser.add_argument("--compile-target", action="store_true",
                         help="compile the target's decode forwards (plain steps and chain verifies, over a static "
-                             "cache): targets without EAGLE taps or adapters, chains, batch size 1")
+                             "cache): frozen targets (not Medusa-2's adapted one), chains, batch size 1")
     parser.add_argument("--prompt-lookup", action="store_true", help="also evaluate n-gram prompt lookup (no model)")
     parser.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
                         help="suite(s): Spec-Bench/MT-bench question JSONL, JSONL with `prompt` or `text`, "
