@@ -340,9 +340,9 @@ def test_a_compiled_verify_decodes_the_targets_greedy_tokens(target, target_mode
 
 def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
     """The verify's logits, final hidden states and taps (layer inputs, EAGLE's features) against the eager
-    target's over the same tokens: a full-width step, a rollback of 3 (stale keys left in the static cache), then
-    a narrower, padded step, which must not read them. A tree refuses compile_target, and so does a target that
-    trains adapters, also when they are declared after the verify was compiled."""
+    target's over the same tokens: a full-width step, a rollback of 3, then a narrower step padded to the full
+    width, whose queries must not read the pad keys written beside them. A tree refuses compile_target, and so
+    does a target that trains adapters, also when they are declared after the verify was compiled."""
     from specdraft.decoding.compiled_verify import compiled_verify
 
     target = FrozenTarget(target.model, needs=TargetNeeds(taps=(0, 1), final_hidden=True))
