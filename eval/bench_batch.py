@@ -7,8 +7,8 @@ One `evaluate(...)` per batch size over the same prompts (the toy's held-out std
 Spec-Bench's questions for a chat target when ../shared has them): plain decoding, prompt lookup and
 each --drafter, chains of K=5, greedy. Greedy output must stay identical to plain decoding at every
 batch size. Prints a Markdown table. `--row-by-row` adds, for each drafter that drafts a batch's rows
-in one propose (its source names a ``row_state``: Medusa, the MLP speculator), the same drafter
-drafting row by row: what batching the drafts is worth.
+together (its source names a ``row_state``: Medusa, the MLP speculator, EAGLE, a DistillSpec
+student), the same drafter drafting row by row: what batching the drafts is worth.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.run import drafter_name, evaluate
 from specdraft.evaluation.suites import Prompt, load_suite
 from specdraft.target import FrozenTarget, resolve_target_path
 from specdraft.toy_target import heldout_prompt_sets
@@ -75,8 +75,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     target = FrozenTarget.from_pretrained(resolve_target_path(args.target, "float32"), dtype="float32")
-    drafters = {Path(path).parent.name if Path(path).name == "drafter" else Path(path).name:
-                load_drafter(path, target).eval() for path in args.drafter}  # fmt: skip
+    drafters = {drafter_name(path): load_drafter(path, target).eval() for path in args.drafter}
     prompts, source = prompts_for(args.target, args.num_prompts)
     rows, verdicts = [], []
     for batch_size in args.batch_sizes:

@@ -144,7 +144,10 @@ class DraftSource(Protocol):
     Optional: ``row_state``, a tuple of attribute names. A source whose whole per-sequence
     state is those tensors (dim 0 the batch) is drafted for all rows of a batch in one
     ``propose`` (``specdraft.decoding.batched``), on a shallow copy holding the rows' states
-    concatenated; its chain of k drafts must begin with its chain of k' < k.
+    concatenated; its chain of k drafts must begin with its chain of k' < k. A source whose
+    row state cannot be concatenated (a KV cache per row, of the row's length) also gives a
+    staticmethod ``propose_rows(sources, pending [R, 1], k, params, generator) -> Proposal [R, k]``
+    that drafts for R copies of itself at once, leaving each as its own ``propose`` would.
     """
 
     def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:

@@ -153,17 +153,132 @@ def test_heads_draft_every_row_in_one_propose(family, monkeypatch):
     wanted = {0: 3, 1: 1, 2: 2}  # row 3 (the other drafter) is asked separately below
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
         rows = _propose_rows(sources, pending, wanted, params, torch.Generator().manual_seed(0))
-        for b, n in wanted.items():
-            alone = sources[b].propose(pending[b].view(1, 1), n, params, torch.Generator().manual_seed(0))
-            assert rows[b].tokens.shape == (1, n)
-            if params.is_greedy:
-                assert torch.equal(rows[b].tokens, alone.tokens)
-            else:
-                assert_same_q(rows[b], alone)
+        assert_drafted_as_alone(rows, sources, pending, wanted, params)
     calls.clear()
     mixed = _propose_rows(sources, pending, {0: 2, 3: 2}, SamplingParams(temperature=1.0), None)
     assert calls == [1, 1]  # not stacked: rows 0 and 3 hold different drafters
     assert_same_q(mixed[3], other.propose(pending[3].view(1, 1), 2, SamplingParams(temperature=1.0), None))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "draft_lm"])
+def test_rows_with_kv_caches_draft_together_as_each_would_alone(kind, monkeypatch):
+    """EAGLE's rows and a draft LM's hold KV caches (and EAGLE's, queues) of different lengths; ``propose_rows``
+    drafts them in one padded, masked draft forward per draft step. Mid-decode (rows' caches of 2-20 slots,
+    EAGLE's queues of 1-4 verified pairs), it gives each row the drafts and q its own ``propose`` gives, and
+    leaves each source in a state whose next step, after the same commit, drafts as the row alone does.
+    Through the batched decoder it is called once a step for every row, and the output is plain decoding's."""
+    import copy
+
+    from tiny import tiny_llama
+
+    from specdraft.decoding.batched import _propose_rows
+    from specdraft.decoding.sampling import SamplingParams
+
+    if kind == "draft_lm":
+        model = tiny_llama(VOCAB, seed=0)
+        target, source = FrozenTarget(model), DraftLMSource(noisy_copy(model, 0.2, seed=1))
+    else:
+        target, source = tiny_target_for(kind)
+
+    def cache_keys(s):  # every layer's committed keys
+        return [layer.keys for layer in getattr(s.cache, "layers", [s.cache])]
+
+    batch = batch_prompts()
+    calls = []
+    propose_rows = type(source).propose_rows
+    monkeypatch.setattr(type(source), "propose_rows", staticmethod(
+        lambda sources, *a: calls.append(len(sources)) or propose_rows(sources, *a)))  # fmt: skip
+    propose, alone_calls = type(source).propose, []
+    monkeypatch.setattr(type(source), "propose", lambda self, *a: alone_calls.append(1) or propose(self, *a))
+    outs = speculative_decode_batch(target, fresh_sources(source, B), batch, k=3, max_new_tokens=MAX_NEW)
+    for prompt, out in zip(batch, outs):
+        assert out.tokens == plain_decode(target, prompt[None], max_new_tokens=MAX_NEW).tokens
+    # Every step with two or more rows left drafted them together; only a last row drafts alone.
+    assert calls[0] == B and min(calls) >= 2
+    assert sum(calls) + len(alone_calls) == sum(len(out.steps) for out in outs)
+    assert len(alone_calls) == max(len(out.steps) for out in outs) - len(calls)
+    monkeypatch.setattr(type(source), "propose", propose)
+
+    def clone(s):  # a source's state copied: propose rewrites its cache
+        c = copy.copy(s)
+        c.cache = copy.deepcopy(s.cache)
+        return c
+
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    sequences = [prompt[None] for prompt in batch]
+    sources = fresh_sources(source, B)
+    for s, seq in zip(sources, sequences):
+        s.start(seq, target(seq, logits="last"))
+    pending = torch.tensor([7, 11, 13, 17])
+    kept_counts = [0, 3, 1, 2]  # drafts each row keeps: its queue for the next step is 1-4 pairs
+
+    def commit_all(rows, proposals, sequences):  # each row keeps kept_counts[b] drafts; the longer sequences
+        longer = []
+        for b, (s, proposal) in enumerate(zip(rows, proposals)):
+            kept = torch.cat([pending[b].view(1, 1), proposal.tokens[:, : kept_counts[b]]], dim=1)
+            longer.append(torch.cat([sequences[b], kept], dim=1))
+            s.commit(kept, target(longer[-1], logits="full").slice(slice(sequences[b].shape[1], None)))
+        return longer
+
+    # One step alone: the caches now differ (1-18 slots), as do the queues.
+    first = [s.propose(pending[b].view(1, 1), 3, greedy, None) for b, s in enumerate(sources)]
+    sequences = commit_all(sources, first, sequences)
+    assert len({cache_keys(s)[0].shape[2] for s in sources}) == B  # the rows really are ragged
+    wanted = {0: 3, 1: 1, 2: 2, 3: 3}
+    for params in (greedy, sampled):
+        together = [clone(s) for s in sources]
+        alone = [clone(s) for s in sources]
+        rows = _propose_rows(together, pending, wanted, params, torch.Generator().manual_seed(0))
+        assert_drafted_as_alone(rows, alone, pending, wanted, params)
+        assert [s.num_committed for s in together] == [s.num_committed for s in alone]
+        if params.is_greedy:  # the next step, after the same commits, drafts alike
+            commit_all(together, [rows[b] for b in range(B)], sequences)
+            commit_all(alone, [rows[b] for b in range(B)], sequences)
+            for b in range(B):  # the same keys for the committed tokens both have read (a draft LM that read
+                # more drafts than a row was given may have read a kept one that the row alone reads next step)
+                n = min(keys.shape[2] for keys in cache_keys(together[b]) + cache_keys(alone[b]))
+                assert n >= together[b].num_committed - 1
+                torch.testing.assert_close([k[:, :, :n] for k in cache_keys(together[b])],
+                                           [k[:, :, :n] for k in cache_keys(alone[b])])  # fmt: skip
+            again = _propose_rows(together, pending, {b: 3 for b in range(B)}, greedy, None)
+            for b in range(B):
+                assert torch.equal(again[b].tokens, alone[b].propose(pending[b].view(1, 1), 3, greedy, None).tokens)
+
+
+def test_eagle_draft_cache_is_written_in_place_and_grows():
+    """EAGLE's decoding cache is preallocated: an update writes into its buffer (no concatenation), a crop
+    moves the length, an outgrown buffer doubles with its slots kept, and a decode whose cache grows
+    several times still gives plain decoding's tokens."""
+    from specdraft.drafters.eagle_common import DraftCache
+
+    keys = torch.randn(1, 2, 5, 4)
+    cache = DraftCache(3)
+    cache.update(keys[:, :, :2], -keys[:, :, :2])
+    buffer = cache.key_buffer.data_ptr()
+    cache.update(keys[:, :, 2:3], -keys[:, :, 2:3])
+    assert cache.key_buffer.data_ptr() == buffer and len(cache) == 3
+    cache.keep(2)
+    cache.update(keys[:, :, 3:5], -keys[:, :, 3:5])  # past the capacity: the buffer doubles
+    expected = torch.cat([keys[:, :, :2], keys[:, :, 3:5]], dim=2)
+    assert cache.capacity == 6 and torch.equal(cache.keys, expected) and torch.equal(cache.values, -expected)
+
+    target, source = tiny_target_for("eagle3")
+    source.room = 1  # the prompt's slots and one more: the decode outgrows it
+    prompt = batch_prompts()[2]
+    assert alone(target, source, prompt, max_new_tokens=MAX_NEW) == alone(target, None, prompt, max_new_tokens=MAX_NEW)
+    assert source.cache.capacity >= 2 * (prompt.shape[0] + 1)
+
+
+def assert_drafted_as_alone(rows, sources, pending, wanted, params):
+    """Each row's proposal (``_propose_rows``) is what ``sources[b]`` proposes alone for ``wanted[b]`` drafts: the
+    same greedy drafts; at T > 0 the same q (``assert_same_q``)."""
+    for b, n in wanted.items():
+        alone = sources[b].propose(pending[b].view(1, 1), n, params, torch.Generator().manual_seed(0))
+        assert rows[b].tokens.shape == (1, n)
+        if params.is_greedy:
+            assert torch.equal(rows[b].tokens, alone.tokens)
+        else:
+            assert_same_q(rows[b], alone)
 
 
 def assert_same_q(proposal, alone):

@@ -202,7 +202,7 @@ def test_after_a_tree_the_source_goes_on_as_after_a_chain(setup, spec, accept):
     torch.testing.assert_close(a.probs, b.probs)
     # and as trees: back to the committed cache (the queue stays until the next commit), then a tree each
     for src, length in zip(sources, before):
-        src.cache.crop(length)
+        src.cache.keep(length)
     a, b = (draft_tree(src, pending, DynamicTree(total_tokens=8, depth=3, top_k=3), GREEDY) for src in sources)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     torch.testing.assert_close(a[2], b[2])

@@ -256,6 +256,14 @@ def test_evaluate_in_batches_matches_one_at_a_time(tmp_path, tiny_target):
         eval_run.evaluate(tiny_target, {}, suite, batch_size=2, lenience=0.5, show_progress=False)
 
 
+def test_a_runs_drafter_goes_by_the_runs_name(tmp_path):
+    """Two runs' drafters (``runs/eagle3/drafter``, ``runs/medusa1/drafter``) are told apart in tables by their
+    runs, not called "drafter" and "drafter-2"; any other folder by its own name."""
+    assert eval_run.drafter_name("runs/eagle3/drafter") == "eagle3"
+    assert eval_run.drafter_name(tmp_path / "runs" / "medusa1" / "drafter" / "") == "medusa1"
+    assert eval_run.drafter_name(tmp_path / "exports" / "eagle3-vllm") == "eagle3-vllm"
+
+
 def test_cli_tree_methods(tmp_path, capsys):
     """--tree adds a tree method for each drafter that can draft it, and says which cannot."""
     from specdraft.drafters import get_family

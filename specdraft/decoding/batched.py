@@ -8,10 +8,11 @@ out, so nothing is copied on a rollback: the attention mask is what rolls back. 
 slots per token of cache, and uses only what transformers' models accept from any caller (a cache, a
 4-D boolean mask and position ids), so it holds across transformers' cache refactors.
 
-Each row has its own ``DraftSource``. A source whose per-sequence state is a few tensors (it names
-them in ``row_state``: Medusa heads and the MLP speculator, which read one hidden state) drafts every
-row in one ``propose`` over the rows' states stacked; the others (a KV cache per row: EAGLE, draft
-LMs; a token history: prompt lookup) draft row by row. The target's forward and the verify
+Each row has its own ``DraftSource``. A source that names its per-sequence state (``row_state``) drafts
+every row at once: Medusa heads and the MLP speculator, which read one hidden state, in one ``propose``
+over the rows' states stacked; EAGLE and draft LMs, whose rows' KV caches differ in length, in their
+``propose_rows`` (one padded, masked draft forward per draft step). The others (a compiled draft LM;
+prompt lookup's token history) draft row by row. The target's forward and the verify
 (``specdraft.decoding.verify``, whose kernel takes a ragged batch) are batched. At temperature 0
 each row's output is what ``speculative_decode`` gives that prompt alone.
 """
@@ -25,7 +26,7 @@ import torch
 
 from specdraft.contract import Proposal, TargetOutputs
 from specdraft.decoding import verify as verify_lib
-from specdraft.decoding.kv_cache import preallocated_cache
+from specdraft.decoding.kv_cache import preallocated_cache, rows_step_mask
 from specdraft.decoding.sampling import (
     SamplingParams,
     draw_exponentials,
@@ -161,23 +162,32 @@ def speculative_decode_batch(
 def _propose_rows(sources: list, pending: torch.Tensor, wanted: dict[int, int], params, generator) -> dict:
     """Row b -> its proposal of at most ``wanted[b]`` drafts ([1, K_b]).
 
-    Sources naming their per-sequence state (``row_state``: attributes holding tensors whose dim 0 is the
-    batch) that otherwise share everything (copies of one source: same model) draft all rows in one
-    ``propose``, on a copy holding the rows' states stacked; each row keeps the first ``wanted[b]`` drafts
-    of its chain, which are what it would draft alone. Any other sources draft row by row."""
+    Sources naming their per-sequence state (``row_state``) that otherwise share everything (copies of one
+    source: same model) draft all rows at once: through their class's ``propose_rows`` where it has one
+    (EAGLE, draft LMs: the rows' KV caches differ in length), else in one ``propose`` on a copy holding the rows' states
+    (tensors whose dim 0 is the batch) stacked. Each row keeps the first ``wanted[b]`` drafts of its chain,
+    which are what it would draft alone. Any other sources draft row by row."""
     rows = list(wanted)
     first = sources[rows[0]]
     names = getattr(first, "row_state", ())
     shared = {name: value for name, value in vars(first).items() if name not in names}
+
+    def same(a, b) -> bool:  # the same object (a model, a tensor), or equal plain values (a vocabulary size)
+        return a is b or (not isinstance(a, (torch.Tensor, torch.nn.Module)) and type(a) is type(b) and a == b)
+
     if len(rows) == 1 or not names or any(
         type(sources[b]) is not type(first) or vars(sources[b]).keys() != vars(first).keys()
-        or any(vars(sources[b])[name] is not value for name, value in shared.items()) for b in rows
+        or any(not same(vars(sources[b])[name], value) for name, value in shared.items()) for b in rows
     ):
         return {b: sources[b].propose(pending[b].view(1, 1), wanted[b], params, generator) for b in rows}
-    stacked = copy.copy(first)
-    for name in names:
-        setattr(stacked, name, torch.cat([getattr(sources[b], name) for b in rows]))
-    proposal = stacked.propose(pending[rows].view(-1, 1), max(wanted.values()), params, generator)
+    if hasattr(type(first), "propose_rows"):  # ragged row states (a KV cache per row): the source batches them
+        proposal = type(first).propose_rows([sources[b] for b in rows], pending[rows].view(-1, 1),
+                                            max(wanted.values()), params, generator)  # fmt: skip
+    else:
+        stacked = copy.copy(first)
+        for name in names:
+            setattr(stacked, name, torch.cat([getattr(sources[b], name) for b in rows]))
+        proposal = stacked.propose(pending[rows].view(-1, 1), max(wanted.values()), params, generator)
 
     def row(x, i, n):
         return None if x is None else x[i : i + 1, :n]
@@ -198,12 +208,8 @@ def fresh_sources(source, count: int) -> list:
 
 def _forward(target, cache, ids, positions, cached_valid, new_valid) -> TargetOutputs:
     """Target forward of ``ids`` [B, W] at ``positions``: query j of row b sees the row's valid cached slots
-    and its own inputs 0..j (a padded query sees only itself, so no softmax runs over nothing)."""
-    width = ids.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
-    new = causal[None] & new_valid[:, None, :]
-    new = new | torch.eye(width, dtype=torch.bool, device=ids.device)[None]
-    mask = torch.cat([cached_valid[:, None, :].expand(-1, width, -1), new], dim=2)[:, None]  # [B, 1, W, S+W]
+    and its own inputs 0..j (``rows_step_mask``)."""
+    mask = rows_step_mask(cached_valid, new_valid)
     return target(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
 
 

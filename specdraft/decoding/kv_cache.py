@@ -50,6 +50,21 @@ class PreallocatedLayer(DynamicLayer):
         if self.is_initialized:
             self._set_length(max(0, self.length + tokens_to_remove))
 
+    @classmethod
+    def stacked(cls, layers: list[PreallocatedLayer], room: int) -> PreallocatedLayer:
+        """One layer holding the one-row ``layers`` as its rows, right-padded with zeros to the longest (the
+        caller masks the padding), with ``room`` free slots after it: how a batch drafts over its rows' caches."""
+        longest = max(layer.length for layer in layers)
+        stack = cls(longest + room)
+        if longest:
+            like = next(layer.keys for layer in layers if layer.length).expand(len(layers), -1, -1, -1)  # for its shape
+            stack.lazy_initialization(like, like)
+            for i, layer in enumerate(layers):
+                stack.key_buffer[i, :, : layer.length] = layer.keys[0]
+                stack.value_buffer[i, :, : layer.length] = layer.values[0]
+            stack._set_length(longest)
+        return stack
+
     def _set_length(self, length: int) -> None:
         self.length = length
         self.keys = self.key_buffer[:, :, :length]
@@ -68,3 +83,24 @@ def preallocated_cache(config, capacity: int) -> Cache:
     """A cache for a decoder of ``config``'s layers, each sized for ``capacity`` positions."""
     num_layers = config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+
+
+def rows_step_mask(cached_valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+    """[R, 1, W, S + W] bool attention mask of a step over rows of different lengths: query j of row b sees
+    the row's valid cached slots (``cached_valid`` [R, S]) and its valid new inputs up to j (``new_valid``
+    [R, W]); a padded query also sees itself, so no softmax runs over nothing (its output is never read,
+    and no real query sees its key)."""
+    width = new_valid.shape[1]
+    eye = torch.eye(width, dtype=torch.bool, device=new_valid.device)
+    new = (torch.ones_like(eye).tril()[None] & new_valid[:, None, :]) | eye[None]
+    return torch.cat([cached_valid[:, None, :].expand(-1, width, -1), new], dim=2)[:, None]
+
+
+def ragged_rows(cached: list[int], new: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``cached[b]`` cache slots (padded to L = max) reading ``new[b]`` inputs (padded to M = max):
+    (``slot_valid`` [R, L + M], which slots hold each row's real keys once the inputs are read; ``positions``
+    [R, M], the inputs' positions, the row's length + j). Both lists are host values: no sync."""
+    cached_t, new_t = torch.tensor(cached, device=device), torch.tensor(new, device=device)
+    slot_valid = torch.cat([torch.arange(max(cached), device=device)[None] < cached_t[:, None],
+                            torch.arange(max(new), device=device)[None] < new_t[:, None]], dim=1)  # fmt: skip
+    return slot_valid, cached_t[:, None] + torch.arange(max(new), device=device)[None]

@@ -7,11 +7,13 @@ drafters (EAGLE, Medusa, ...) give theirs with ``drafter.draft_source(target)``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import Cache, StaticLayer
 
 from specdraft.contract import Proposal, TargetOutputs
-from specdraft.decoding.kv_cache import preallocated_cache
+from specdraft.decoding.kv_cache import PreallocatedLayer, preallocated_cache, ragged_rows, rows_step_mask
 from specdraft.decoding.sampling import SamplingParams, logits_to_probs, sample
 from specdraft.errors import SpecdraftError
 from specdraft.transformers_compat import cache_kwargs
@@ -46,6 +48,8 @@ class DraftLMSource:
         self._target_vocab_size = None
         self.compile = compile
         if compile:
+            # A compiled step is specialised to one row's StaticCache: a batch's rows draft one at a time.
+            self.row_state = ()
             check_static_cache()
             self._compiled_sizes = set()  # cache sizes the step is compiled for (shared by shallow copies)
             self._compiled_step = torch.compile(model.forward, mode=compile if isinstance(compile, str) else None)
@@ -73,6 +77,50 @@ class DraftLMSource:
                 next_input = sample(q, generator).view(1, 1)
                 probs.append(q)
             tokens.append(next_input)
+        return Proposal(torch.cat(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
+
+    # The per-sequence state. Rows' caches differ in length, so a batch drafts through ``propose_rows``.
+    row_state = ("cache", "num_read", "num_committed", "unread")
+
+    @staticmethod
+    @torch.no_grad()
+    def propose_rows(sources: list, pending: torch.Tensor, k: int, params: SamplingParams, generator) -> Proposal:
+        """k drafts for each of R sequences ([R, k]) in one draft forward per draft step: ``sources`` are R copies
+        of one eager source, ``pending`` [R, 1]. Step 0 reads each row's unread tokens and pending token,
+        right-padded to [R, M], over the rows' caches right-padded to [R, L], each row at its own positions
+        under a mask of its real slots; each later step reads every row's last draft. Each source ends as its
+        own ``propose`` leaves it: its cache holds what it read (its commit crops the rejected drafts)."""
+        first, R, device = sources[0], len(sources), pending.device
+        read = [s.num_read for s in sources]
+        inputs = [torch.cat([s.unread[0], pending[i]]) for i, s in enumerate(sources)]
+        lengths = [x.shape[0] for x in inputs]  # 1 or 2; like the caches' lengths, known on the host
+        L, M = max(read), max(lengths)
+        cache = Cache(layers=[PreallocatedLayer.stacked([s.cache.layers[i] for s in sources], room=M + k)
+                              for i in range(len(first.cache.layers))])  # fmt: skip
+        slot_valid, positions = ragged_rows(read, lengths, device)
+        mask = rows_step_mask(slot_valid[:, :L], slot_valid[:, L:])
+        ids = nn.utils.rnn.pad_sequence(inputs, batch_first=True)  # [R, M], padded with 0
+        last = torch.tensor(lengths, device=device) - 1  # each row's pending token: its drafts' context ends there
+        tokens, probs = [], []
+        for step in range(k):
+            if step > 0:  # every row reads its last draft, one position on
+                mask = rows_step_mask(slot_valid, slot_valid.new_ones(R, 1))
+                slot_valid = F.pad(slot_valid, (0, 1), value=True)
+                ids, positions, last = tokens[-1], positions.gather(1, last[:, None]) + 1, last.new_zeros(R)
+            out = first.model(input_ids=first._to_draft_ids(ids), attention_mask=mask, position_ids=positions,
+                              use_cache=True, **cache_kwargs(first.model, cache))  # fmt: skip
+            logits = first._to_target_logits(out.logits[torch.arange(R, device=device), last])  # [R, V_target]
+            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
+                tokens.append(logits.argmax(-1)[:, None])
+            else:
+                q = logits_to_probs(logits, params)  # warped like p
+                tokens.append(sample(q, generator)[:, None])
+                probs.append(q)
+        for i, s in enumerate(sources):  # each row's cache gains what it read: its inputs, then its chain's drafts
+            own = torch.cat([torch.arange(L, L + lengths[i]), torch.arange(L + M, L + M + k - 1)]).to(device)
+            for row_layer, layer in zip(s.cache.layers, cache.layers):
+                row_layer.update(layer.keys[i : i + 1, :, own], layer.values[i : i + 1, :, own])
+            s.num_read, s.unread = read[i] + lengths[i] + k - 1, s.unread[:, :0]
         return Proposal(torch.cat(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
 
     def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:

@@ -30,6 +30,7 @@ from ..masks import block_causal_mask
 from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
+    DraftCache,
     KVCache,
     check_same_target,
     check_target_architecture,
@@ -102,7 +103,8 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         self.bind_target(target)
 
     # -- the draft network ------------------------------------------------------------------------
-    def draft_step(self, features, tokens, positions, cache: KVCache | None = None, mask=None) -> torch.Tensor:
+    def draft_step(self, features, tokens, positions, cache: KVCache | DraftCache | None = None,
+                   mask=None) -> torch.Tensor:
         """f_hat_{i+1} for each position i from (f_i, t_{i+1}); [B, m, H] -> [B, m, H]."""
         if mask is None:  # decoding: causal over the cache plus the new positions
             mask = decode_mask(tokens.shape[1], len(cache), tokens.device)

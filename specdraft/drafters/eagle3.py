@@ -40,6 +40,7 @@ from ..losses import soft_cross_entropy
 from ..masks import block_causal_mask
 from .eagle_common import (
     BorrowsTargetWeights,
+    DraftCache,
     KVCache,
     apply_rotary,
     attend,
@@ -108,7 +109,7 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: KVCache | DraftCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -143,7 +144,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)  # on the incoming hidden
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
 
-    def forward(self, embeds, hidden, cos, sin, mask, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, mask, cache: KVCache | DraftCache | None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = hidden + self.self_attn(x, cos, sin, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -167,7 +168,8 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         self.bind_target(target)
 
     # -- the draft network ------------------------------------------------------------------------
-    def draft_step(self, hidden, tokens, positions, cache: KVCache | None = None, mask=None) -> torch.Tensor:
+    def draft_step(self, hidden, tokens, positions, cache: KVCache | DraftCache | None = None,
+                   mask=None) -> torch.Tensor:
         """One draft step over m positions: [B, m, H] hidden + [B, m] next tokens -> [B, m, H] pre-norm outputs."""
         if mask is None:  # decoding: causal over the cache plus the new positions
             mask = decode_mask(tokens.shape[1], len(cache), tokens.device)
@@ -204,7 +206,8 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
 
         Step k, row i reads t_{i+k+1} and the previous step's row i at RoPE position i + k, and
         attends the step-0 keys allowed by ``mask0`` plus row i's keys from steps 1..k: each
-        step's keys are appended to one KVCache, so step k's mask is [mask0 | I | ... | I].
+        step's keys are appended to one KVCache (by concatenation, for autograd), so step k's mask is
+        [mask0 | I | ... | I].
         """
         B, T = ids.shape
         same_position = torch.eye(T, dtype=torch.bool, device=ids.device)[None, None].expand(B, 1, T, T)

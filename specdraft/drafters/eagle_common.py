@@ -1,7 +1,7 @@
 """What EAGLE-1 and EAGLE-3 share.
 
-* ``KVCache``: the draft layer's keys/values. At decode time it is the draft's KV cache;
-  in EAGLE-3's training-time test it is the "extended KV" each unrolled step appends to.
+* ``KVCache``: the draft layer's keys/values in EAGLE-3's training-time test, the "extended KV"
+  each unrolled step appends to; ``DraftCache``: the draft's preallocated KV cache at decode time.
 * ``attend``: softmax attention with an explicit boolean mask, the one place both use.
 * the target-architecture check, the borrowed (frozen, unsaved) target weights, the parts of
   the ``Drafter`` contract both fill in the same way, save/load of a drafter folder, and
@@ -24,6 +24,7 @@ from torch import nn
 
 from ..atomic import atomic_folder
 from ..contract import Example, Proposal, TargetOutputs, TrainingContext, target_example
+from ..decoding.kv_cache import PreallocatedLayer, ragged_rows, rows_step_mask
 from ..errors import SpecdraftError
 
 
@@ -112,10 +113,11 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of the draft's single layer, grown along the sequence dim.
+    """Keys and values of the draft layer in EAGLE-3's training-time test, grown along the sequence
+    dim by concatenation: autograd needs the keys every earlier unrolled step attended to left as they
+    were. Decoding uses ``DraftCache``, preallocated.
 
-    ``update`` has the signature transformers' attention layers call, so the same
-    object serves EAGLE-1 (a transformers decoder layer) and EAGLE-3 (our own).
+    ``update`` has the signature transformers' attention layers call.
     """
 
     def __init__(self):
@@ -134,10 +136,19 @@ class KVCache:
             self.values = torch.cat([self.values, values], dim=2)
         return self.keys, self.values
 
-    def crop(self, length: int) -> None:
+
+class DraftCache(PreallocatedLayer):
+    """The draft layer's decoding cache: the target's preallocated layer (one buffer written in place,
+    doubled when outgrown; a rollback only moves the length), so a draft step copies only its own keys.
+    Its ``update`` takes the arguments transformers' attention layers pass, so it serves EAGLE-1 (a
+    transformers decoder layer) and EAGLE-3 (our own) alike."""
+
+    def __len__(self) -> int:
+        return self.length
+
+    def keep(self, length: int) -> None:
         """Keep the first ``length`` positions."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.crop(min(0, length - self.length))
 
 
 class BorrowsTargetWeights:
@@ -247,29 +258,78 @@ class EagleDraftSource:
               draft's own hidden and d_i -> d_{i+1}. Cache: committed pairs, then k-1 chain states
       commit  drop the chain states; queue the verified features with the kept drafts, to be
               read by the next propose (one draft forward per decoding step, not two)
+
+    In a batch (``specdraft.decoding.batched``) the rows' sources draft together in ``propose_rows``.
     """
+
+    # The per-sequence state. Rows' caches and queues differ in length, so a batch drafts through
+    # ``propose_rows`` (padded, masked) rather than by concatenating these.
+    row_state = ("cache", "num_committed", "queued_features", "queued_tokens")
+    room = 256  # cache slots past the prompt before the cache first grows
 
     def __init__(self, drafter: nn.Module):
         self.drafter = drafter
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:
-        self.cache = KVCache()
+        self.cache = DraftCache(prompt_ids.shape[1] + self.room)
         self.num_committed = 0  # cache positions computed from verified target features
         self.queued_features = self.drafter.target_features(target_out)
         self.queued_tokens = prompt_ids[:, 1:]
 
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int, params, generator: torch.Generator | None) -> Proposal:
+        hidden = self._read_queued(pending)[:, -1:]
+        return self._draft_chain(hidden, k, self.cache, self._positions(1), None, params, generator)
+
+    @staticmethod
+    @torch.no_grad()
+    def propose_rows(sources: list, pending: torch.Tensor, k: int, params, generator) -> Proposal:
+        """k drafts for each of R sequences in one draft forward per step ([R, k]): ``sources`` are R copies of
+        one source (one drafter), ``pending`` [R, 1]. Each source ends as its own ``propose`` leaves it, less
+        the chain states its ``commit`` drops.
+
+        The rows' caches (L_b slots) and queued pairs (m_b) differ in length: step 0 reads the queues
+        right-padded to [R, M] over the caches right-padded to [R, L], each row at its own positions
+        (L_b + j) under a mask of its real slots; the chain steps then append one slot per row."""
+        d, R, device = sources[0].drafter, len(sources), pending.device
+        cached = [len(s.cache) for s in sources]
+        queued = [torch.cat([s.queued_tokens[0], pending[i]]) for i, s in enumerate(sources)]
+        lengths = [q.shape[0] for q in queued]  # m_b, like L_b known on the host: no sync
+        L, M = max(cached), max(lengths)
+        cache = DraftCache.stacked([s.cache for s in sources], room=M + k)
+        tokens = nn.utils.rnn.pad_sequence(queued, batch_first=True)  # [R, M], padded with 0
+        features = nn.utils.rnn.pad_sequence([d.draft_input(s.queued_features)[0] for s in sources], batch_first=True)
+        slot_valid, positions = ragged_rows(cached, lengths, device)
+        mask = rows_step_mask(slot_valid[:, :L], slot_valid[:, L:])  # each row its cached slots, its queue causally
+        hidden = d.draft_step(features, tokens, positions, cache, mask=mask)  # [R, M, H]
+        last = torch.tensor(lengths, device=device) - 1  # each row's pending position
+        hidden = hidden[torch.arange(R, device=device), last][:, None]
+        proposal = sources[0]._draft_chain(hidden, k, cache, positions.gather(1, last[:, None]) + 1, slot_valid,
+                                           params, generator)  # fmt: skip
+        for i, s in enumerate(sources):  # each row's cache gains its queue's slots: its committed ones
+            s.cache.keep(cached[i])
+            s.cache.update(cache.keys[i : i + 1, :, L : L + lengths[i]], cache.values[i : i + 1, :, L : L + lengths[i]])
+            s.num_committed = cached[i] + lengths[i]
+        return proposal
+
+    def _draft_chain(self, hidden: torch.Tensor, k: int, cache: DraftCache, position: torch.Tensor,
+                     slot_valid: torch.Tensor | None, params, generator) -> Proposal:
+        """k chained drafts from ``hidden`` [R, 1, H], the hidden that predicts draft 1. Step i > 0 reads draft i
+        with the hidden it came from into ``cache``, at ``position`` [R, 1] + i - 1; ``slot_valid`` [R, S] marks
+        the cache slots each row sees (None: all of them, one sequence)."""
         from ..decoding.sampling import logits_to_probs, sample  # lazy: keeps drafters importable alone
 
         d = self.drafter
-        hidden = self._read_queued(pending)
         drafts, probs = [], []
         for step in range(k):
             if step > 0:  # read the previous draft with the hidden it came from
-                hidden = d.draft_step(hidden[:, -1:], drafts[-1], self._positions(1), self.cache)
-            logits = d.draft_logits(hidden[:, -1])  # [B, N]
+                mask = None
+                if slot_valid is not None:  # the rows' real slots, then their chains' (all real)
+                    mask = rows_step_mask(slot_valid, slot_valid.new_ones(slot_valid.shape[0], 1))
+                    slot_valid = F.pad(slot_valid, (0, 1), value=True)
+                hidden = d.draft_step(hidden[:, -1:], drafts[-1], position + step - 1, cache, mask=mask)
+            logits = d.draft_logits(hidden[:, -1])  # [R, N]
             if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
                 draft_ids = logits.argmax(-1)
             else:
@@ -278,9 +338,9 @@ class EagleDraftSource:
                 probs.append(self._to_target_vocab(q))  # verify reads q over the target's vocabulary
             drafts.append(self._to_target_ids(draft_ids)[:, None])
         if not drafts:
-            B = pending.shape[0]
-            no_probs = torch.zeros(B, 0, self._target_vocab_size(), device=pending.device)
-            return Proposal(pending.new_zeros(B, 0), no_probs)
+            R = hidden.shape[0]
+            return Proposal(hidden.new_zeros(R, 0, dtype=torch.long),
+                            torch.zeros(R, 0, self._target_vocab_size(), device=hidden.device))
         return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None)
 
     tree_kinds = ("static", "dynamic")
@@ -302,7 +362,7 @@ class EagleDraftSource:
         return hidden
 
     def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
-        self.cache.crop(self.num_committed)
+        self.cache.keep(self.num_committed)
         self.queued_features = self.drafter.target_features(target_out)
         self.queued_tokens = kept_ids[:, 1:]
 

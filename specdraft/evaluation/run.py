@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     drafters = {}
     for path in args.drafter:
         # Each loaded drafter declares what it reads, and the target computes that from then on.
-        name = _unique_name(sources, Path(path).name)
+        name = _unique_name(sources, drafter_name(path))
         drafters[name] = load_drafter(path, target).eval()
         sources[name] = drafters[name].draft_source(target)
         for method, source in tree_methods(name, drafters[name], target, args.tree).items():
@@ -393,6 +393,12 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwrote {', '.join(result['files'].values())}")
     return 0
+
+
+def drafter_name(path) -> str:
+    """What a drafter folder is called in tables and reports: a run's ``RUN/drafter`` by its run, else the folder."""
+    path = Path(path).resolve()
+    return path.parent.name if path.name == "drafter" and path.parent.name else path.name
 
 
 def tree_methods(name: str, drafter, target, specs: list[str]) -> dict:
