@@ -1,7 +1,7 @@
 """Benchmark: batched decoding, total and per-request tokens/s at batch sizes 1, 4 and 16.
 
     python eval/bench_batch.py --target toy --drafter bench-trees/runs/medusa1/drafter
-    python eval/bench_batch.py --target smollm2-135m-instruct --num-prompts 16 --max-new-tokens 64
+    python eval/bench_batch.py --target smollm2-135m-instruct --num-prompts 16 --max-new-tokens 64 --student-layers 8
 
 One `evaluate(...)` per batch size over the same prompts (the toy's held-out stdlib prompts, or
 Spec-Bench's questions for a chat target when ../shared has them): plain decoding, prompt lookup and
@@ -69,6 +69,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--student-layers", type=int, default=0,
+                        help="also an untrained DistillSpec student, the target's first N layers (init: truncate): "
+                             "a draft LM, for a target with no trained drafter at hand")
     parser.add_argument("--row-by-row", action="store_true",
                         help="also each drafter whose rows draft in one propose, drafting row by row")
     args = parser.parse_args()
@@ -76,6 +79,11 @@ def main() -> None:
 
     target = FrozenTarget.from_pretrained(resolve_target_path(args.target, "float32"), dtype="float32")
     drafters = {drafter_name(path): load_drafter(path, target).eval() for path in args.drafter}
+    if args.student_layers:
+        from specdraft.drafters.distillspec import DistillSpecConfig, build_distillspec
+
+        student = build_distillspec(target, DistillSpecConfig(init="truncate", num_layers=args.student_layers))
+        drafters[f"student ({args.student_layers} layers, untrained)"] = student.eval()
     prompts, source = prompts_for(args.target, args.num_prompts)
     rows, verdicts = [], []
     for batch_size in args.batch_sizes:
