@@ -163,7 +163,7 @@ def test_heads_draft_every_row_in_one_propose(family, monkeypatch):
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3", "draft_lm"])
 def test_rows_with_kv_caches_draft_together_as_each_would_alone(kind, monkeypatch):
     """EAGLE's rows and a draft LM's hold KV caches (and EAGLE's, queues) of different lengths; ``propose_rows``
-    drafts them in one padded, masked draft forward per draft step. Mid-decode (rows' caches of 2-20 slots,
+    drafts them in one padded, masked draft forward per draft step. Mid-decode (four caches of different lengths,
     EAGLE's queues of 1-4 verified pairs), it gives each row the drafts and q its own ``propose`` gives, and
     leaves each source in a state whose next step, after the same commit, drafts as the row alone does.
     Through the batched decoder it is called once a step for every row, and the output is plain decoding's."""
@@ -220,7 +220,7 @@ def test_rows_with_kv_caches_draft_together_as_each_would_alone(kind, monkeypatc
             s.commit(kept, target(longer[-1], logits="full").slice(slice(sequences[b].shape[1], None)))
         return longer
 
-    # One step alone: the caches now differ (1-18 slots), as do the queues.
+    # One step alone: the caches now differ in length, as do the queues.
     first = [s.propose(pending[b].view(1, 1), 3, greedy, None) for b, s in enumerate(sources)]
     sequences = commit_all(sources, first, sequences)
     assert len({cache_keys(s)[0].shape[2] for s in sources}) == B  # the rows really are ragged
