@@ -111,6 +111,16 @@ def sample_with_exponentials(weights: torch.Tensor, exponentials: torch.Tensor) 
     return (weights.float() / exponentials).argmax(dim=-1)
 
 
+def draw_drafts(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's tokens from its logits [..., V]: (ids [...], q [..., V] or None). At temperature 0 the
+    argmax, whose q is one-hot: no V-wide q is formed (``Proposal.probs`` None); else a draw from q, the
+    logits warped exactly as the target's p will be (verification compares the two)."""
+    if params.is_greedy:
+        return logits.argmax(-1), None
+    q = logits_to_probs(logits, params)
+    return sample(q, generator), q
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of ``probs`` [..., V] (any non-negative weights work)."""
     flat = probs.reshape(-1, probs.shape[-1])

@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from specdraft.contract import Proposal, TargetOutputs
 from specdraft.decoding.kv_cache import PreallocatedLayer, preallocated_cache, ragged_rows, rows_step_mask
-from specdraft.decoding.sampling import SamplingParams, logits_to_probs, sample
+from specdraft.decoding.sampling import SamplingParams, draw_drafts
 from specdraft.errors import SpecdraftError
 from specdraft.transformers_compat import cache_kwargs
 
@@ -70,12 +70,9 @@ class DraftLMSource:
         for _ in range(k):
             logits = self._to_target_logits(self._read(next_input))  # [1, V_target]
             self.unread = next_input[:, :0]  # read now
-            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
-                next_input = logits.argmax(-1).view(1, 1)
-            else:
-                q = logits_to_probs(logits, params)  # warped like p
-                next_input = sample(q, generator).view(1, 1)
-                probs.append(q)
+            next_input, q = draw_drafts(logits, params, generator)
+            next_input = next_input.view(1, 1)
+            probs += [] if q is None else [q]
             tokens.append(next_input)
         return Proposal(torch.cat(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
 
@@ -110,12 +107,9 @@ class DraftLMSource:
             out = first.model(input_ids=first._to_draft_ids(ids), attention_mask=mask, position_ids=positions,
                               use_cache=True, **cache_kwargs(first.model, cache))  # fmt: skip
             logits = first._to_target_logits(out.logits[torch.arange(R, device=device), last])  # [R, V_target]
-            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
-                tokens.append(logits.argmax(-1)[:, None])
-            else:
-                q = logits_to_probs(logits, params)  # warped like p
-                tokens.append(sample(q, generator)[:, None])
-                probs.append(q)
+            ids, q = draw_drafts(logits, params, generator)
+            tokens.append(ids[:, None])
+            probs += [] if q is None else [q]
         for i, s in enumerate(sources):  # each row's cache gains what it read: its inputs, then its chain's drafts
             own = torch.cat([torch.arange(L, L + lengths[i]), torch.arange(L + M, L + M + k - 1)]).to(device)
             for row_layer, layer in zip(s.cache.layers, cache.layers):

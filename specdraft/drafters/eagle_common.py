@@ -318,7 +318,7 @@ class EagleDraftSource:
         """k chained drafts from ``hidden`` [R, 1, H], the hidden that predicts draft 1. Step i > 0 reads draft i
         with the hidden it came from into ``cache``, at ``position`` [R, 1] + i - 1; ``slot_valid`` [R, S] marks
         the cache slots each row sees (None: all of them, one sequence)."""
-        from ..decoding.sampling import logits_to_probs, sample  # lazy: keeps drafters importable alone
+        from ..decoding.sampling import draw_drafts  # lazy: keeps drafters importable alone
 
         d = self.drafter
         drafts, probs = [], []
@@ -329,12 +329,8 @@ class EagleDraftSource:
                     mask = rows_step_mask(slot_valid, slot_valid.new_ones(slot_valid.shape[0], 1))
                     slot_valid = F.pad(slot_valid, (0, 1), value=True)
                 hidden = d.draft_step(hidden[:, -1:], drafts[-1], position + step - 1, cache, mask=mask)
-            logits = d.draft_logits(hidden[:, -1])  # [R, N]
-            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
-                draft_ids = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits, params)  # warped like the target's p
-                draft_ids = sample(q, generator)
+            draft_ids, q = draw_drafts(d.draft_logits(hidden[:, -1]), params, generator)  # [R], [R, N]
+            if q is not None:
                 probs.append(self._to_target_vocab(q))  # verify reads q over the target's vocabulary
             drafts.append(self._to_target_ids(draft_ids)[:, None])
         if not drafts:

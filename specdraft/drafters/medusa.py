@@ -325,7 +325,7 @@ class MedusaDraftSource:
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int, params, generator: torch.Generator | None) -> Proposal:
         # imported here: the drafters stay importable without the decoder
-        from ..decoding.sampling import logits_to_probs, sample
+        from ..decoding.sampling import draw_drafts
 
         d = self.drafter
         num = min(k, len(d.heads))  # K heads propose at most K drafts
@@ -333,11 +333,7 @@ class MedusaDraftSource:
             B = pending.shape[0]
             return Proposal(pending.new_zeros(B, 0), torch.zeros(B, 0, d.target_vocab_size, device=pending.device))
         logits = d.head_logits(self.last_hidden, num)  # [B, num, N]
-        if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
-            drafts, q = logits.argmax(-1), None
-        else:
-            q = logits_to_probs(logits, params)  # warped like p
-            drafts = sample(q, generator)
+        drafts, q = draw_drafts(logits, params, generator)
         if d.reduced:
             drafts = d.draft_ids[drafts]
             if q is not None:  # verify reads q over the target's vocabulary

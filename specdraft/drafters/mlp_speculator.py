@@ -539,18 +539,15 @@ class MLPSpeculatorSource:
 
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int, params, generator: torch.Generator | None) -> Proposal:
-        from ..decoding.sampling import sample
+        from ..decoding.sampling import draw_drafts
 
         k = min(k, self.heads.n_predict)  # one token per head: a source may propose fewer than asked
         state, token, drafts, probs = self.heads.input_state(self.state), pending, [], []
         for i in range(k):
             state, logits = self.heads.step(i, state, token)
-            if params.is_greedy:  # q is one-hot on the argmax: no V-wide q is formed (Proposal.probs None)
-                token = logits[:, -1].argmax(-1, keepdim=True)
-            else:
-                q = _warped(logits[:, -1], params)  # [B, V]: warped exactly as the target's p will be
-                token = sample(q, generator)[:, None]
-                probs.append(q)
+            token, q = draw_drafts(logits[:, -1], params, generator)  # [B], [B, V] or None
+            token = token[:, None]
+            probs += [] if q is None else [q]
             drafts.append(token)
         if not drafts:
             B = pending.shape[0]
