@@ -1,6 +1,8 @@
 """Batched decoding: B prompts of different lengths in one target forward per step. Each row's greedy output is
 what that prompt gives decoded alone, for every kind of source; sampled rows follow the target; bad input."""
 
+import copy
+
 import pytest
 import torch
 from test_speculative import VOCAB, noisy_copy, prompts, target, target_model  # noqa: F401 (fixtures)
@@ -114,11 +116,118 @@ def test_bad_batches_are_refused(target):
         def propose_tree(self, pending, tree, params, generator):
             from specdraft.contract import Proposal
 
-            return Proposal(torch.tensor([[5, 6]]), None, torch.tensor([[-1, -1]]))
+            return Proposal(torch.tensor([[5, 6]]), None, torch.tensor([[1, -1]]))  # node 0's parent after it
 
-    with pytest.raises(SpecdraftError, match="batched decoding verifies chains"):
+    with pytest.raises(SpecdraftError, match="comes before"):
         speculative_decode_batch(target, fresh_sources(TreeDrafting(TreeLookup(), StaticTree.chain(2)), B),
-                                 batch_prompts(), max_new_tokens=4)
+                                 batch_prompts(), k=2, max_new_tokens=4)
+
+
+class CountingTarget:
+    """The target, counting the input slots of every forward: what the batched decoder reads."""
+
+    def __init__(self, target):
+        self.target, self.config, self.read = target, target.config, []
+
+    def __call__(self, ids, **kwargs):
+        self.read.append(ids.numel())
+        return self.target(ids, **kwargs)
+
+
+def test_prefill_reads_prompts_in_groups_of_similar_length(target):
+    """Prompts of 30, 2, 28, 3 and 12 tokens: one padded prefill would read 5 x 30 = 150 slots for 75 tokens;
+    in groups of similar length ({30, 28}, {12}, {3, 2}) it reads 78, and every row still decodes as alone."""
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(3, VOCAB, (n,), generator=g) for n in (30, 2, 28, 3, 12)]
+    counting = CountingTarget(target)
+    outs = speculative_decode_batch(counting, None, batch, max_new_tokens=1)  # the prefill's forwards only
+    assert counting.read == [2 * 30, 12, 2 * 3]
+    for prompt, out in zip(batch, outs):
+        assert out.tokens == alone(target, None, prompt, max_new_tokens=1)
+    outs = speculative_decode_batch(target, fresh_sources(DraftLMSource(noisy_copy(target.model, 0.2, seed=1)),
+                                                          len(batch)), batch, k=4, max_new_tokens=MAX_NEW)  # fmt: skip
+    for prompt, out in zip(batch, outs):
+        assert out.tokens == alone(target, None, prompt, max_new_tokens=MAX_NEW)
+
+
+def test_tree_rows_are_each_prompt_decoded_alone():
+    """Each row drafts random trees in which one branch, anywhere in the node order, spells that row's greedy
+    continuation for a random number of tokens: rows accept paths of different lengths and places in the same
+    step, and the cache keeps each row's path. Every row emits its plain greedy tokens and accepts, step by step,
+    what the same source accepts decoding that prompt alone."""
+    from test_trees import OracleTreeSource
+
+    from tiny import seeded_init_, tiny_llama
+
+    model = tiny_llama(64, hidden_size=32, intermediate_size=64, max_position_embeddings=128)
+    seeded_init_(model, seed=0, std=0.4)
+    tree_target = FrozenTarget(model)
+    batch = [p[0] % 64 for p in prompts(B, seed=5)]
+    plain = [alone(tree_target, None, prompt, max_new_tokens=40) for prompt in batch]
+    accepted = []
+    for seed in range(3):
+        def source(b):
+            return TreeDrafting(OracleTreeSource(plain[b], depth=5, seed=10 * seed + b), StaticTree.chain(5))
+
+        outs = speculative_decode_batch(tree_target, [source(b) for b in range(B)], batch, k=5, max_new_tokens=40)
+        for b, (prompt, out) in enumerate(zip(batch, outs)):
+            assert out.tokens == plain[b]
+            by_itself = speculative_decode(tree_target, source(b), prompt[None], k=5, max_new_tokens=40)
+            assert [s.num_accepted for s in out.steps] == [s.num_accepted for s in by_itself.steps]
+            assert all(s.depth is not None and s.num_accepted <= s.depth for s in out.steps)
+        accepted += [len({out.steps[i].num_accepted for out in outs if i < len(out.steps)})
+                     for i in range(max(len(out.steps) for out in outs))]  # fmt: skip
+    assert max(accepted) >= 3  # in some step, rows accepted paths of three different lengths
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3", "medusa1", "mlp_speculator"])
+def test_trained_drafter_families_decode_trees_in_batches(family):
+    """Each family's trees (EAGLE-2 dynamic trees; static trees of top-k ranks for the heads) in a batch: every
+    row's output is the target's greedy one, and each row's steps are those the row's tree decode takes alone."""
+    from specdraft.decoding.trees import DynamicTree
+
+    target, source = tiny_target_for(family)
+    tree = DynamicTree(total_tokens=8, depth=3, top_k=3) if family.startswith("eagle") else \
+        StaticTree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))  # fmt: skip
+    batch = batch_prompts()
+    outs = speculative_decode_batch(target, fresh_sources(TreeDrafting(source, tree), B), batch, k=3,
+                                    max_new_tokens=MAX_NEW)  # fmt: skip
+    for prompt, out in zip(batch, outs):
+        assert out.tokens == plain_decode(target, prompt[None], max_new_tokens=MAX_NEW).tokens
+        by_itself = speculative_decode(target, TreeDrafting(copy.copy(source), tree), prompt[None], k=3,
+                                       max_new_tokens=MAX_NEW)  # fmt: skip
+        assert [(s.num_drafted, s.num_accepted) for s in out.steps] == \
+            [(s.num_drafted, s.num_accepted) for s in by_itself.steps]  # fmt: skip
+
+
+def test_sampled_tree_rows_follow_the_target():
+    """T = 1, B = 4 rows, two prompts: on each prompt one row drafts sampled children (each node from its own
+    q) and one Medusa's deterministic top-k children (q one-hot), all verified together; the 2nd and 3rd
+    tokens of each prompt's rows against that prompt's exact marginals."""
+    from test_decode_statistics import PROMPT, SAMPLED, exact_marginals, small_llama
+    from test_medusa import build as build_medusa
+    from test_trees import SampledChildrenSource
+    from test_verify_statistics import assert_all_pass, l1_check
+
+    target = FrozenTarget(small_llama(std=0.2))
+    heads = build_medusa(target, randomize=False, num_heads=2).draft_source(target)
+    tree = StaticTree(((0,), (1,), (0, 0), (1, 0)))
+    two = [PROMPT, torch.tensor([[2, 8, 8, 4]])]
+    tokens, accepted = {0: [], 1: []}, []
+    for seed in range(150):
+        sources = [TreeDrafting(SampledChildrenSource(target.vocab_size), tree) for _ in range(2)] + \
+            fresh_sources(TreeDrafting(heads, tree), 2)  # fmt: skip
+        outs = speculative_decode_batch(target, sources, [two[0][0], two[1][0]] * 2, k=2, params=SAMPLED,
+                                        max_new_tokens=3, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        for b, out in enumerate(outs):
+            tokens[b % 2].append(out.tokens)
+        accepted += [s.num_accepted for out in outs for s in out.steps]
+    checks = []
+    for i, prompt in enumerate(two):
+        found, (p2, p3) = torch.tensor(tokens[i]), exact_marginals(target, SAMPLED, prompt)
+        checks += [l1_check(f"prompt {i}: 2nd token", found[:, 1], p2), l1_check(f"prompt {i}: 3rd token", found[:, 2], p3)]
+    assert_all_pass(checks)
+    assert {0, 1, 2} <= set(accepted)  # rejections, and both depths accepted
 
 
 @pytest.mark.parametrize("family", ["medusa1", "mlp_speculator"])

@@ -75,6 +75,9 @@ def test_summarize_speedup_against_plain():
     plain = [decode_output([], 10, 5.0)]
     summary = metrics.summarize(spec, 4, plain)
     assert summary["tokens_per_second"] == 5.0
+    assert summary["decode_tokens_per_second"] == pytest.approx(9 / 1.9)  # the first token is the prefill's
+    batch = [DecodeOutput(list(range(10)), [], 0.4, 2.0, batch_rows=2) for _ in range(2)]  # one clock, two rows
+    assert metrics.decode_tokens_per_second(batch) == pytest.approx(18 / 1.6)
     assert summary["speedup"] == pytest.approx(2.5)
     assert summary["alpha_measured"] == 0.75 and summary["draft_cost_ratio"] == pytest.approx(0.1)
     assert summary["predicted_speedup"] == pytest.approx(metrics.predicted_speedup(0.75, 4, 0.1))

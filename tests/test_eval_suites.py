@@ -219,7 +219,6 @@ def test_cli_bad_input(tmp_path):
         (["--prompts", str(empty), "--prompt-lookup"], "is empty"),
         (["--prompts", str(suite), "--draft-model", str(other_dir)], "--map-draft-vocab"),
         (["--prompts", str(suite), "--drafter", str(tmp_path)], "not a saved drafter"),
-        (["--prompts", str(suite), "--tree", "medusa-8", "--batch-size", "4"], "one prompt at a time"),
         (["--prompts", str(suite), "--prompt-lookup", "--batch-size", "2", "--compile-target"], "batches run eager"),
     ]
     for extra, message in cases:
@@ -264,7 +263,7 @@ def test_a_runs_drafter_goes_by_the_runs_name(tmp_path):
     assert eval_run.drafter_name(tmp_path / "exports" / "eagle3-vllm") == "eagle3-vllm"
 
 
-def test_cli_tree_methods(tmp_path, capsys):
+def test_cli_tree_methods(tmp_path, capsys, monkeypatch):
     """--tree adds a tree method for each drafter that can draft it, and says which cannot."""
     from specdraft.drafters import get_family
 
@@ -281,4 +280,16 @@ def test_cli_tree_methods(tmp_path, capsys):
     assert "heads cannot draft a dynamic tree (eagle2-small)" in printed
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert list(result["methods"]) == ["plain", "heads", "heads tree:medusa-8"]
+    assert result["greedy_identical"] == {"heads": 1.0, "heads tree:medusa-8": 1.0}
+    # Trees in batches: two prompts decoded together, each tree as deep as the tree (medusa-8: 3), not -k.
+    depths, batched = [], eval_run.speculative_decode_batch
+    monkeypatch.setattr(eval_run, "speculative_decode_batch", lambda target, sources, prompts, k, **kw:
+                        depths.append((sources is not None and hasattr(sources[0], "tree"), k))
+                        or batched(target, sources, prompts, k=k, **kw))  # fmt: skip
+    args = cli_args(["--target", str(target_dir), "--drafter", str(tmp_path / "heads"), "--tree", "medusa-8",
+                     "--prompts", str(suite), "--num-prompts", "2", "--batch-size", "2", "-k", "1", "--max-new-tokens",
+                     "8", "--dtype", "float32", "--no-progress", "--out", str(tmp_path / "batch")])  # fmt: skip
+    assert eval_run.run(args) == 0
+    result = json.loads((tmp_path / "batch" / "result.json").read_text())
+    assert result["config"]["batch_size"] == 2 and set(depths) == {(False, 1), (True, 3)}
     assert result["greedy_identical"] == {"heads": 1.0, "heads tree:medusa-8": 1.0}

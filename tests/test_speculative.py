@@ -255,6 +255,8 @@ def test_drafter_families_plug_in(family):
     """Any registered drafter's DraftSource runs through the decoder and stays lossless (greedy)."""
     from transformers import LlamaConfig
 
+    from specdraft.decoding.speculative import TreeDrafting
+    from specdraft.decoding.trees import DynamicTree
     from specdraft.drafters import get_family
 
     config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -267,8 +269,12 @@ def test_drafter_families_plug_in(family):
         expected = plain_decode(target, prompt, max_new_tokens=MAX_NEW).tokens
         assert hf_greedy(target.model, prompt, MAX_NEW) == expected
         assert speculative_decode(target, source, prompt, k=3, max_new_tokens=MAX_NEW).tokens == expected
-        # the target's verify compiled: EAGLE's taps come from its hidden states instead of hooks
+        # the target's verify compiled: EAGLE's taps come from its hidden states instead of hooks, for chains
+        # and for EAGLE-2's dynamic trees
         assert speculative_decode(target, source, prompt, k=3, max_new_tokens=MAX_NEW,
+                                  compile_target=True).tokens == expected  # fmt: skip
+        tree = TreeDrafting(source, DynamicTree(total_tokens=8, depth=3, top_k=3))
+        assert speculative_decode(target, tree, prompt, k=3, max_new_tokens=MAX_NEW,
                                   compile_target=True).tokens == expected  # fmt: skip
 
 
@@ -338,10 +344,26 @@ def test_a_compiled_verify_decodes_the_targets_greedy_tokens(target, target_mode
         assert len(widths) > 2  # steps of several widths went through the one compiled shape
 
 
+def test_a_compiled_verify_keeps_compiling_past_dynamos_default_limit(target):
+    """A target whose decodes use more than 8 shapes (cache sizes x widths x chain or tree) still runs each new
+    one compiled: dynamo's default of 8 graphs per function would run the 9th and later eager."""
+    from torch._dynamo.utils import counters
+
+    from specdraft.decoding.compiled_verify import compiled_verify
+
+    verifier = compiled_verify(FrozenTarget(target.model), True)
+    before = counters["stats"]["unique_graphs"]
+    for width in range(1, 10):
+        verifier.new_cache(8, width)
+    assert counters["stats"]["unique_graphs"] - before >= 9
+
+
 def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
     """The verify's logits, final hidden states and taps (layer inputs, EAGLE's features) against the eager
     target's over the same tokens: a full-width step, a rollback of 3, then a narrower step padded to the full
-    width, whose queries must not read the pad keys written beside them. A tree refuses compile_target, and so
+    width, whose queries must not read the pad keys written beside them. Then on a cache for trees: two tree
+    steps, each kept path moved into place in the static buffers, against the eager target over the same cache
+    layout. A tree not drafted through TreeDrafting (nothing sizes its steps) refuses compile_target, and so
     does a target that trains adapters, also when they are declared after the verify was compiled."""
     from specdraft.decoding.compiled_verify import compiled_verify
 
@@ -365,11 +387,37 @@ def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
         cache.crop(kept - step.shape[1])
         context = context[:, : cache.length]
 
+    # Trees: nodes [a, b, c, d] with parents [-1, -1, 1, 2] (two branches: a; b-c-d), verified at positions
+    # length + depth under the tree mask; the path b-c is kept (not a prefix: its keys move), then b alone.
+    from specdraft.decoding.kv_cache import preallocated_cache
+    from specdraft.decoding.speculative import keep_cache_path
+    from specdraft.decoding.trees import ancestor_matrix, tree_attention_mask
+
+    tree_cache, eager_cache = verifier.new_cache(32, 5, tree=True), preallocated_cache(target.config, 32)
+    for cache_of in (tree_cache.static, eager_cache):
+        target(prompt, past_key_values=cache_of, use_cache=True)
+    tree_cache.length = prompt.shape[1]
+    ancestors = ancestor_matrix(torch.tensor([-1, -1, 1, 2]))
+    for step, path in ((torch.randint(3, VOCAB, (1, 5), generator=g), [1, 2]), (first[:, :3], [1])):
+        nodes = step.shape[1] - 1
+        past = tree_cache.length
+        mask, positions = tree_attention_mask(ancestors[:nodes, :nodes], past), past + torch.cat(
+            [torch.zeros(1, dtype=torch.long), ancestors[:nodes, :nodes].sum(1)])[None]  # fmt: skip
+        ours = verifier(step, past_key_values=tree_cache, attention_mask=mask, position_ids=positions)
+        theirs = target(step, attention_mask=mask, position_ids=positions, past_key_values=eager_cache, use_cache=True)
+        for field in ("logits", "final_hidden", "aux_hidden"):
+            torch.testing.assert_close(getattr(ours, field), getattr(theirs, field), rtol=0, atol=1e-5)
+        for cache_of in (tree_cache, eager_cache):
+            keep_cache_path(cache_of, past, path)
+        assert tree_cache.length == eager_cache.get_seq_length() == past + 1 + len(path)
+    with pytest.raises(SpecdraftError, match="made for chains or for trees"):
+        verifier(first, past_key_values=tree_cache)
+
     class TreeLookup(PromptLookupSource):
         def propose(self, pending, k, params, generator):
             return Proposal(torch.tensor([[5, 6]]), None, torch.tensor([[-1, -1]]))
 
-    with pytest.raises(SpecdraftError, match="compile_target verifies chains"):
+    with pytest.raises(SpecdraftError, match="sizes its steps by a TreeDrafting's tree"):
         speculative_decode(target, TreeLookup(), prompts(2)[1], k=2, max_new_tokens=8, compile_target=True)
     with pytest.raises(SpecdraftError, match="trains adapters"):
         compiled_verify(FrozenTarget(target.model, needs=TargetNeeds(trains_adapters=True)), True)

@@ -228,6 +228,23 @@ def test_greedy_tree_decoding_is_plain_greedy_decoding(target):
     assert {0, 1, 2, 3, 4, 5} <= set(accepted)  # every path length was accepted somewhere
 
 
+def test_compiled_tree_verify_decodes_as_the_eager_one(target):
+    """compile_target with trees: each verify runs as wide as the tree's nodes + 1, compiled over a static cache
+    under the tree's mask; random trees of 1 to 11 nodes (padded steps) whose accepted paths sit anywhere in
+    the node order (keys moved into place in the static buffers). The same tokens and accepted paths as the
+    eager tree decode."""
+    tree = StaticTree(((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)) + tuple((i,) for i in range(1, 8)))
+    for seed in range(3):
+        prompt = random_ids(1, 6, seed=20 + seed) % VOCAB
+        plain = plain_decode(target, prompt, max_new_tokens=40).tokens
+        eager, compiled = (speculative_decode(target, TreeDrafting(OracleTreeSource(plain, depth=5, seed=seed), tree),
+                                              prompt, k=5, max_new_tokens=40, compile_target=mode)
+                           for mode in (False, True))  # fmt: skip
+        assert compiled.tokens == eager.tokens == plain
+        assert [s.num_accepted for s in compiled.steps] == [s.num_accepted for s in eager.steps]
+        assert any(s.num_accepted > 0 for s in compiled.steps)
+
+
 def medusa_setup():
     target = medusa_target(std=0.5)
     return target, build_medusa(target, randomize=False, num_heads=4)

@@ -52,16 +52,21 @@ class PreallocatedLayer(DynamicLayer):
 
     @classmethod
     def stacked(cls, layers: list[PreallocatedLayer], room: int) -> PreallocatedLayer:
-        """One layer holding the one-row ``layers`` as its rows, right-padded with zeros to the longest (the
-        caller masks the padding), with ``room`` free slots after it: how a batch drafts over its rows' caches."""
+        """One layer holding the rows of ``layers`` in order (an empty layer counts as one row), each right-padded
+        with zeros to the longest (the caller masks the padding), with ``room`` free slots after it: how a batch
+        drafts over its rows' caches, and how the batched decoder joins its prefill groups."""
         longest = max(layer.length for layer in layers)
         stack = cls(longest + room)
         if longest:
-            like = next(layer.keys for layer in layers if layer.length).expand(len(layers), -1, -1, -1)  # for its shape
+            sizes = [layer.keys.shape[0] if layer.is_initialized else 1 for layer in layers]
+            like = next(layer.keys for layer in layers if layer.length)[:1].expand(sum(sizes), -1, -1, -1)  # its shape
             stack.lazy_initialization(like, like)
-            for i, layer in enumerate(layers):
-                stack.key_buffer[i, :, : layer.length] = layer.keys[0]
-                stack.value_buffer[i, :, : layer.length] = layer.values[0]
+            first = 0
+            for layer, size in zip(layers, sizes):
+                if layer.length:
+                    stack.key_buffer[first : first + size, :, : layer.length] = layer.keys
+                    stack.value_buffer[first : first + size, :, : layer.length] = layer.values
+                first += size
             stack._set_length(longest)
         return stack
 
@@ -85,14 +90,15 @@ def preallocated_cache(config, capacity: int) -> Cache:
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
 
 
-def rows_step_mask(cached_valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+def rows_step_mask(cached_valid: torch.Tensor, new_valid: torch.Tensor, sees: torch.Tensor | None = None) -> torch.Tensor:
     """[R, 1, W, S + W] bool attention mask of a step over rows of different lengths: query j of row b sees
-    the row's valid cached slots (``cached_valid`` [R, S]) and its valid new inputs up to j (``new_valid``
-    [R, W]); a padded query also sees itself, so no softmax runs over nothing (its output is never read,
-    and no real query sees its key)."""
+    the row's valid cached slots (``cached_valid`` [R, S]) and the valid new inputs it may see (``sees``
+    [R, W, W]: a tree's ancestors; default causal, inputs up to j) among ``new_valid`` [R, W]; a padded query
+    also sees itself, so no softmax runs over nothing (its output is never read, and no real query sees its key)."""
     width = new_valid.shape[1]
     eye = torch.eye(width, dtype=torch.bool, device=new_valid.device)
-    new = (torch.ones_like(eye).tril()[None] & new_valid[:, None, :]) | eye[None]
+    sees = torch.ones_like(eye).tril()[None] if sees is None else sees
+    new = (sees & new_valid[:, None, :]) | eye[None]
     return torch.cat([cached_valid[:, None, :].expand(-1, width, -1), new], dim=2)[:, None]
 
 

@@ -13,7 +13,7 @@ Thm. 1; Chen et al. 2023), and at temperature 0 they are the target's greedy tok
 A source may propose a tree instead of a chain (``Proposal.parents``; ``TreeDrafting`` asks for one):
 every node is verified in the same one forward, under a tree attention mask, and the cache keeps the
 accepted path (``_verify_tree``). One prompt at a time here; ``specdraft.decoding.batched`` decodes B
-prompts of chains together.
+prompts together, chains or trees.
 """
 
 from __future__ import annotations
@@ -91,12 +91,13 @@ def speculative_decode(
     lenience: float = 1.0,  # LOSSY below 1: accept while u < p / (lenience * q)
     typical_acceptance: bool = False,  # LOSSY: Medusa's typical acceptance instead of exact verify
     timing: bool = True,  # split each step's time into draft and target (on CUDA: a sync per split)
-    compile_target: bool | str = False,  # the chain verify's forward compiled (True, or a torch.compile mode)
+    compile_target: bool | str = False,  # the verify's forward compiled (True, or a torch.compile mode)
 ) -> DecodeOutput:
     """Generate up to ``max_new_tokens`` tokens with drafts from ``source``, K per step (a tree each step
     if the source proposes one, see ``TreeDrafting``). ``timing=False`` leaves the steps' seconds at 0 and
     the hot loop free of clock syncs; the whole call is still timed. ``compile_target`` runs each verify
-    K+1 wide over a static cache, compiled (``specdraft.decoding.compiled_verify``): chains only."""
+    K+1 wide (a tree: as wide as its nodes + 1) over a static cache, compiled
+    (``specdraft.decoding.compiled_verify``)."""
     budget = check_decode_args(target, prompt_ids, max_new_tokens, k=k, lenience=lenience)
     stop_ids = _stop_ids(eos_token_ids)
     device = prompt_ids.device
@@ -105,8 +106,10 @@ def speculative_decode(
 
     # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
     # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
-    # token is drawn from p. The cache is sized for the prompt, the budget and one step's drafts.
-    verifier, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget, k + 1, compile_target)
+    # token is drawn from p. The cache is sized for the prompt, the budget and one step's drafts (or tree).
+    tree = getattr(source, "tree", None)  # TreeDrafting's: each step verifies at most its nodes
+    verifier, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget,
+                                    1 + (k if tree is None else tree.num_nodes), compile_target, tree is not None)
     source.start(prompt_ids, out)
     pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
     tokens, steps, alphas = [pending.item()], [], []
@@ -122,11 +125,11 @@ def speculative_decode(
         if proposal.parents is None:
             step = _verify_chain(verifier, cache, pending, proposal, params, generator, lenience, typical_acceptance,
                                  check=not steps)  # fmt: skip
-        elif compile_target:
-            raise SpecdraftError(f"{type(source).__name__} proposed a tree, and compile_target verifies chains: "
-                                 "decode trees with compile_target off")
+        elif compile_target and not cache.tree:
+            raise SpecdraftError(f"{type(source).__name__} proposed a tree, and compile_target sizes its steps by a "
+                                 "TreeDrafting's tree: draft trees through TreeDrafting, or decode with compile_target off")
         else:  # a tree: every node verified in the one forward, with a tree attention mask
-            step = _verify_tree(target, cache, pending, proposal, params, generator, typical_acceptance)
+            step = _verify_tree(verifier, cache, pending, proposal, params, generator, typical_acceptance)
         t2 = clock()
         source.commit(step.kept_ids, step.kept_out)
         t3 = clock()
@@ -174,15 +177,17 @@ def plain_decode(
     return DecodeOutput(tokens, [], prefill_seconds, _clock(device) - start)
 
 
-def _prefill(target, prompt_ids: torch.Tensor, positions: int, width: int, compile_target: bool | str):
+def _prefill(target, prompt_ids: torch.Tensor, positions: int, width: int, compile_target: bool | str,
+             tree: bool = False):  # fmt: skip
     """The target reads the prompt into a new cache for ``positions`` positions, with room for one step ``width``
     wide past them; returns the forward the decode steps call, the cache, and the prompt's outputs. With
-    ``compile_target`` the steps run compiled, ``width`` wide over a static cache; the prefill stays eager."""
+    ``compile_target`` the steps run compiled, ``width`` wide over a static cache (``tree``: tree steps, each
+    with its mask); the prefill stays eager."""
     if not compile_target:
         cache = preallocated_cache(target.config, positions + width)
         return target, cache, target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
     forward = compiled_verify(target, compile_target)
-    cache = forward.new_cache(positions, width)
+    cache = forward.new_cache(positions, width, tree)
     out = target(prompt_ids, past_key_values=cache.static, use_cache=True, logits="last")
     cache.length = prompt_ids.shape[1]
     return forward, cache, out
@@ -303,14 +308,12 @@ def _verify_tree(target, cache, pending, proposal, params, generator, typical_ac
             passes = drafts == best[parent_rows]
         else:
             passes = verify_lib.typical_acceptance(drafts[:, None], p[parent_rows][:, None]) > 0
-        on_path = (ancestors <= passes[None]).all(1)  # every ancestor (and itself) passes
-        score = torch.where(on_path, depths * (num_nodes + 1) - torch.arange(num_nodes, device=device), -1)
-        last = torch.where(on_path.any(), score.argmax(), -1)  # the deepest accepted node, -1: none
+        last, path_mask = deepest_passing_node(passes[None], ancestors[None], depths[None])
+        last, path_mask = last[0], path_mask[0]
         if p is None:
             final = best[last + 1]
         else:
             final = sample_with_exponentials(p[last + 1], draw_exponentials(1, p.shape[-1], generator, device)[0])
-        path_mask = ancestors[last.clamp_min(0)] & (last >= 0)
         # The one host sync of the step: the path, the final token, the tree's depth, the nodes' tokens.
         host = torch.cat([path_mask.long(), drafts, final.view(1), depths.max().view(1)]).tolist()
         path = [i for i in range(num_nodes) if host[i]]
@@ -330,6 +333,20 @@ def _verify_tree(target, cache, pending, proposal, params, generator, typical_ac
     kept = torch.tensor([0] + [i + 1 for i in path], device=device)  # pending, then the path's nodes
     return _Verified(tokens, torch.cat([pending, drafts[None, path]], dim=1), out.slice(kept),
                      torch.tensor([[tokens[-1]]], device=device), None, depth)  # fmt: skip
+
+
+def deepest_passing_node(passes: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor):
+    """Rows of trees whose nodes pass or fail a test (``passes`` [R, N]; ``ancestors`` [R, N, N] and ``depths``
+    [R, N] from ``ancestor_matrix``): (the deepest node whose ancestors and itself all pass [R], -1 for none;
+    that node's path as a mask [R, N]). Equally deep nodes go to the lowest index. On the device: no sync."""
+    num_nodes = passes.shape[1]
+    if num_nodes == 0:  # empty trees: no node to accept (argmax over nothing would fail)
+        return passes.new_full((passes.shape[0],), -1, dtype=torch.long), passes
+    on_path = (ancestors <= passes[:, None, :]).all(2)  # every ancestor (and itself) passes
+    score = torch.where(on_path, depths * (num_nodes + 1) - torch.arange(num_nodes, device=passes.device), -1)
+    last = torch.where(on_path.any(1), score.argmax(1), -1)
+    path_mask = ancestors[torch.arange(passes.shape[0], device=passes.device), last.clamp_min(0)] & (last >= 0)[:, None]
+    return last, path_mask
 
 
 def keep_cache_path(cache, past: int, path: list[int]) -> None:

@@ -95,6 +95,13 @@ def total_tokens_per_second(outputs: list[DecodeOutput]) -> float:
     return sum(len(o.tokens) for o in outputs) / seconds if seconds else math.nan
 
 
+def decode_tokens_per_second(outputs: list[DecodeOutput]) -> float:
+    """Throughput of the decoding steps alone: the tokens after each decode's first (which the prefill
+    draws) over the wall clock after its prefill, a batch's clock counted once."""
+    seconds = sum((o.seconds - o.prefill_seconds) / o.batch_rows for o in outputs)
+    return sum(len(o.tokens) - 1 for o in outputs) / seconds if seconds else math.nan
+
+
 def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOutput] | None = None) -> dict:
     """Every figure of one method on one group of prompts; ``plain_outputs`` are the same prompts decoded plainly."""
     steps = [s for o in outputs for s in o.steps]
@@ -112,6 +119,7 @@ def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOut
         "seconds": sum(o.seconds for o in outputs),
         "tokens_per_second": tokens_per_second(outputs),
         "total_tokens_per_second": total_tokens_per_second(outputs),
+        "decode_tokens_per_second": decode_tokens_per_second(outputs),
         "speedup": None,
         "predicted_speedup": None,
         "recommended_k": None,

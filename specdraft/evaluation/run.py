@@ -51,9 +51,9 @@ def evaluate(
 ) -> dict:
     """Decode every prompt with plain decoding and with each source; return (and write) the report dict.
 
-    ``batch_size`` > 1 decodes that many prompts together (``speculative_decode_batch``: chains, exact
-    verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput.
-    ``compile_target`` compiles the target's decode forwards, plain decoding's and the chain verifies' alike."""
+    ``batch_size`` > 1 decodes that many prompts together (``speculative_decode_batch``: chains or trees,
+    exact verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput.
+    ``compile_target`` compiles the target's decode forwards, plain decoding's and the verifies' alike."""
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -95,7 +95,8 @@ def evaluate(
             return [decode(source, rows[0], generator_seed, max_new)]
         sources = None if source is None else fresh_sources(source, len(rows))
         return speculative_decode_batch(
-            target, sources, [torch.tensor(ids, device=device) for ids in rows], k=k, params=params,
+            target, sources, [torch.tensor(ids, device=device) for ids in rows], k=getattr(source, "depth", k),
+            params=params,
             max_new_tokens=max_new, eos_token_ids=stop_ids,
             generator=torch.Generator(device=device).manual_seed(generator_seed),
         )  # fmt: skip
@@ -277,8 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile each --draft-model's decode step (torch.compile over a static cache): "
                              "faster steps after a one-time compile of seconds to a minute")
     parser.add_argument("--compile-target", action="store_true",
-                        help="compile the target's decode forwards (plain steps and chain verifies, over a static "
-                             "cache): frozen targets (not Medusa-2's adapted one), chains, batch size 1")
+                        help="compile the target's decode forwards (plain steps, chain and tree verifies, over a "
+                             "static cache): frozen targets (not Medusa-2's adapted one), batch size 1")
     parser.add_argument("--prompt-lookup", action="store_true", help="also evaluate n-gram prompt lookup (no model)")
     parser.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
                         help="suite(s): Spec-Bench/MT-bench question JSONL, JSONL with `prompt` or `text`, "
@@ -322,9 +323,6 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.k < 1:
         raise SpecdraftError(f"-k must be >= 1, got {args.k}; 4-8 drafts per step is typical.")
-    if args.tree and args.batch_size > 1:
-        raise SpecdraftError("--tree decodes one prompt at a time (batches verify chains): drop --batch-size, or "
-                             "evaluate the trees in a run of their own")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
