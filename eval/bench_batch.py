@@ -2,13 +2,16 @@
 
     python eval/bench_batch.py --target toy --drafter bench-trees/runs/medusa1/drafter
     python eval/bench_batch.py --target smollm2-135m-instruct --num-prompts 16 --max-new-tokens 64 --student-layers 8
+    python eval/bench_batch.py --target toy --drafter RUNS/eagle3/drafter --tree eagle2-small
 
 One `evaluate(...)` per batch size over the same prompts (the toy's held-out stdlib prompts, or
 Spec-Bench's questions for a chat target when ../shared has them): plain decoding, prompt lookup and
 each --drafter, chains of K=5, greedy. Greedy output must stay identical to plain decoding at every
 batch size. Prints a Markdown table. `--row-by-row` adds, for each drafter that drafts a batch's rows
 together (its source names a ``row_state``: Medusa, the MLP speculator, EAGLE, a DistillSpec
-student), the same drafter drafting row by row: what batching the drafts is worth.
+student), the same drafter drafting row by row: what batching the drafts is worth. `--tree SPEC` adds
+each drafter that can draft that tree, drafting it every step (rows verified together, each its own tree).
+"decode tokens/s" leaves the prefill out: the throughput of the decoding steps alone.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.run import drafter_name, evaluate
+from specdraft.evaluation.run import drafter_name, evaluate, tree_methods
 from specdraft.evaluation.suites import Prompt, load_suite
 from specdraft.target import FrozenTarget, resolve_target_path
 from specdraft.toy_target import heldout_prompt_sets
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--student-layers", type=int, default=0,
                         help="also an untrained DistillSpec student, the target's first N layers (init: truncate): "
                              "a draft LM, for a target with no trained drafter at hand")
+    parser.add_argument("--tree", action="append", default=[], metavar="SPEC",
+                        help="also each drafter that can draft this tree, drafting it (repeatable; as specdraft eval)")
     parser.add_argument("--row-by-row", action="store_true",
                         help="also each drafter whose rows draft in one propose, drafting row by row")
     args = parser.parse_args()
@@ -91,6 +96,8 @@ def main() -> None:
         if args.row_by_row:
             sources.update({f"{n} (drafted row by row)": RowByRow(d.draft_source(target)) for n, d in drafters.items()
                             if getattr(d.draft_source(target), "row_state", ())})  # fmt: skip
+        for n, d in drafters.items():
+            sources.update(tree_methods(n, d, target, args.tree))
         result = evaluate(target, sources, prompts, SamplingParams(), k=args.k, max_new_tokens=args.max_new_tokens,
                           batch_size=batch_size, show_progress=False)  # fmt: skip
         for method, found in result["greedy_mismatches"].items():
@@ -99,13 +106,14 @@ def main() -> None:
         for method, groups in result["methods"].items():
             s = groups["overall"]
             same = "-" if method == "plain" else f"{result['greedy_identical'][method]:.0%}"
-            rows.append(f"| {batch_size} | {method} | {s['total_tokens_per_second']:.1f} | {s['tokens_per_second']:.1f} "
+            rows.append(f"| {batch_size} | {method} | {s['total_tokens_per_second']:.1f} "
+                        f"| {s['decode_tokens_per_second']:.1f} | {s['tokens_per_second']:.1f} "
                         f"| {s['acceptance_length']:.2f} | {same} |")
     print(f"\n{len(prompts)} prompts from {source}, {args.max_new_tokens} new tokens, K={args.k}, greedy, float32, "
           f"{args.threads} thread(s)\n")
     print(f"`python eval/bench_batch.py {' '.join(sys.argv[1:])}`\n")
-    print("| batch | method | total tokens/s | tokens/s per request | tau | identical to plain |")
-    print("|---:|---|---:|---:|---:|---|")
+    print("| batch | method | total tokens/s | decode tokens/s | tokens/s per request | tau | identical to plain |")
+    print("|---:|---|---:|---:|---:|---:|---|")
     print("\n".join(rows))
     if verdicts:
         print("\ngreedy outputs that differ from plain decoding:\n" + "\n".join(verdicts))

@@ -10,6 +10,10 @@
   3. report    tau and speedup per method and temperature; WORK/tree_size_vs_tau.png plots tau (and the
                speedup) against the number of nodes a step verifies.
 
+`--compile-target` compiles the target's forwards (plain steps, chain and tree verifies alike; an untimed
+pass over the same prompts compiles every shape first) and writes WORK/trees-compiled.*; `--temperatures 0`
+evaluates greedy only.
+
 Writes WORK/trees.md, WORK/trees.json and the PNG, and prints the Markdown.
 """
 
@@ -126,6 +130,9 @@ def main() -> None:
     parser.add_argument("--train-jobs", type=int, default=2, choices=(1, 2))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--trees", nargs="+", default=list(STATIC_TREES + DYNAMIC_TREES))
+    parser.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
+    parser.add_argument("--compile-target", action="store_true",
+                        help="compile the target's decode forwards (plain decoding's too, so speedups stay like for like)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -148,16 +155,21 @@ def main() -> None:
     drafters = {family: load_drafter(run["drafter"], target).eval() for family, run in trained.items()}
     for spec in args.trees:
         parse_tree(spec)  # a typo fails before the eval starts
-    results = {}
-    for temperature in TEMPERATURES:
+    results, name = {}, "trees-compiled" if args.compile_target else "trees"
+    for temperature in args.temperatures:
+        if args.compile_target:  # each new (cache size, step width) compiles on first use: an untimed pass first
+            evaluate(target, methods_of(target, drafters, args.trees), eval_prompts,
+                     SamplingParams(temperature=temperature), k=K, max_new_tokens=args.max_new_tokens,
+                     compile_target=True, show_progress=False)  # fmt: skip
         results[temperature] = evaluate(target, methods_of(target, drafters, args.trees), eval_prompts,
                                         SamplingParams(temperature=temperature), k=K,
-                                        max_new_tokens=args.max_new_tokens,
-                                        out_dir=work / "trees" / f"temperature-{temperature:g}")
-    plot(results, work / "tree_size_vs_tau.png")
+                                        max_new_tokens=args.max_new_tokens, compile_target=args.compile_target,
+                                        out_dir=work / name / f"temperature-{temperature:g}")
+    plot(results, work / f"{name.replace('trees', 'tree_size')}_vs_tau.png")
 
     lines = [f"## Chains and trees on {args.target} ({len(eval_prompts)} prompts from {source}, chain K={K}, "
-             f"max {args.max_new_tokens} new tokens, float32, {args.threads} thread(s))", "",
+             f"max {args.max_new_tokens} new tokens, float32, {args.threads} thread(s)"
+             f"{', target compiled' if args.compile_target else ''})", "",
              f"`python {' '.join(sys.argv)}`", ""]
     for temperature, result in results.items():
         lines += [f"### T={temperature:g}", ""] + table(result) + [""]
@@ -165,11 +177,12 @@ def main() -> None:
             lines += [f"greedy output identical to plain decoding: {result['greedy_identical']}", ""]
     lines.append(f"dynamic trees at EAGLE-3's defaults: {DynamicTree()}")
     markdown = "\n".join(lines)
-    (work / "trees.md").write_text(markdown + "\n")
-    (work / "trees.json").write_text(json.dumps({"args": vars(args), "training": trained,
-                                                 "eval": {str(t): r for t, r in results.items()}}, indent=1))
+    (work / f"{name}.md").write_text(markdown + "\n")
+    (work / f"{name}.json").write_text(json.dumps({"args": vars(args), "training": trained,
+                                                   "eval": {str(t): r for t, r in results.items()}}, indent=1))
     print("\n" + markdown)
-    print(f"\nwrote {work / 'trees.md'}, {work / 'trees.json'}, {work / 'tree_size_vs_tau.png'}")
+    print(f"\nwrote {work / f'{name}.md'}, {work / f'{name}.json'}, "
+          f"{work / (name.replace('trees', 'tree_size') + '_vs_tau.png')}")
 
 
 if __name__ == "__main__":
