@@ -92,8 +92,10 @@ def speculative_decode_batch(
     order = sorted(range(batch), key=lambda b: -prompts[b].shape[1])
     prompts, budgets = [prompts[b] for b in order], [budgets[b] for b in order]
     sources = None if sources is None else [sources[b] for b in order]
-    # Every step appends up to k + 1 slots per row (a tree: its nodes + 1); the cache doubles if outgrown.
-    cache, valid, last_logits = _prefill(target, prompts, sources, room=max(budgets) + k + 1)
+    # Every step appends up to k + 1 slots per row (a TreeDrafting's tree: its nodes + 1) and keeps at most the
+    # longest accepted path: room for the budget and one step; the cache doubles in the rare case it is outgrown.
+    widest = max([k] + [s.tree.num_nodes for s in sources or () if hasattr(s, "tree")])
+    cache, valid, last_logits = _prefill(target, prompts, sources, room=max(budgets) + widest + 1)
     pending = _first_tokens(last_logits, params, generator)  # [B]
     tokens = [[t] for t in pending.tolist()]
     steps: list[list[StepStats]] = [[] for _ in range(batch)]
