@@ -46,6 +46,7 @@ from specdraft.decoding.speculative import (
     _truncate,
     check_decode_args,
     deepest_passing_node,
+    most_drafts,
 )
 from specdraft.decoding.tree_verify import verify_tree
 from specdraft.decoding.trees import ancestor_matrix
@@ -94,7 +95,7 @@ def speculative_decode_batch(
     sources = None if sources is None else [sources[b] for b in order]
     # Every step appends up to k + 1 slots per row (a TreeDrafting's tree: its nodes + 1) and keeps at most the
     # longest accepted path: room for the budget and one step; the cache doubles in the rare case it is outgrown.
-    widest = max([k] + [s.tree.num_nodes for s in sources or () if hasattr(s, "tree")])
+    widest = max([k] + [most_drafts(s, k) for s in sources or ()])
     cache, valid, last_logits = _prefill(target, prompts, sources, room=max(budgets) + widest + 1)
     pending = _first_tokens(last_logits, params, generator)  # [B]
     tokens = [[t] for t in pending.tolist()]

@@ -107,9 +107,8 @@ def speculative_decode(
     # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
     # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
     # token is drawn from p. The cache is sized for the prompt, the budget and one step's drafts (or tree).
-    tree = getattr(source, "tree", None)  # TreeDrafting's: each step verifies at most its nodes
-    verifier, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget,
-                                    1 + (k if tree is None else tree.num_nodes), compile_target, tree is not None)
+    verifier, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget, 1 + most_drafts(source, k),
+                                    compile_target, hasattr(source, "tree"))  # fmt: skip
     source.start(prompt_ids, out)
     pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
     tokens, steps, alphas = [pending.item()], [], []
@@ -191,6 +190,12 @@ def _prefill(target, prompt_ids: torch.Tensor, positions: int, width: int, compi
     out = target(prompt_ids, past_key_values=cache.static, use_cache=True, logits="last")
     cache.length = prompt_ids.shape[1]
     return forward, cache, out
+
+
+def most_drafts(source, k: int) -> int:
+    """The most tokens one step of ``source`` proposes: k, or the nodes of a ``TreeDrafting``'s tree."""
+    tree = getattr(source, "tree", None)
+    return k if tree is None else tree.num_nodes
 
 
 def check_decode_args(target, prompt_ids, max_new_tokens: int, k: int = 1, lenience: float = 1.0) -> int:

@@ -338,24 +338,18 @@ def sample_continuations(target, prompts: torch.Tensor, new_tokens: int, params)
     # lazy: keeps the drafters importable without the decoder
     from transformers import DynamicCache
 
-    from ..decoding.sampling import sample
+    from ..decoding.sampling import logits_to_probs, sample
 
     cache = DynamicCache(config=target.config)
     out = target(prompts, past_key_values=cache, use_cache=True, logits="last")
     hidden, tokens = [final_hidden_of(out)], []
     for step in range(new_tokens):
-        probs = _warped(out.logits[:, -1], params)
+        probs = logits_to_probs(out.logits[:, -1], params)  # warped as the target's p is when decoding
         tokens.append(sample(probs)[:, None])
         if step + 1 < new_tokens:
             out = target(tokens[-1], past_key_values=cache, use_cache=True, logits="last")
             hidden.append(final_hidden_of(out))
     return torch.cat([prompts, *tokens], dim=1), torch.cat(hidden, dim=1)
-
-
-def _warped(logits: torch.Tensor, params) -> torch.Tensor:
-    from ..decoding.sampling import logits_to_probs
-
-    return logits_to_probs(logits, params)
 
 
 def mlp_speculator_needs(cfg: MLPSpeculatorConfig, target_config) -> TargetNeeds:

@@ -66,6 +66,9 @@ def evaluate(
     device = target.device
     stop_ids = _stop_ids(target, tokenizer)
 
+    def drafts_per_step(source) -> int:  # a tree method drafts its tree's whole depth; k is the chains' length
+        return getattr(source, "depth", k)
+
     def decode(source, ids: list[int], generator_seed: int, max_new: int) -> DecodeOutput:
         prompt_ids = torch.tensor([ids], device=device)
         g = torch.Generator(device=device).manual_seed(generator_seed)
@@ -73,8 +76,7 @@ def evaluate(
                       compile_target=compile_target)  # fmt: skip
         if source is None:
             return plain_decode(target, prompt_ids, **common)
-        # A tree method drafts its tree's whole depth; k is the chains' length.
-        return speculative_decode(target, source, prompt_ids, k=getattr(source, "depth", k), lenience=lenience,
+        return speculative_decode(target, source, prompt_ids, k=drafts_per_step(source), lenience=lenience,
                                   typical_acceptance=typical_acceptance, **common)  # fmt: skip
 
     _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens)
@@ -95,9 +97,8 @@ def evaluate(
             return [decode(source, rows[0], generator_seed, max_new)]
         sources = None if source is None else fresh_sources(source, len(rows))
         return speculative_decode_batch(
-            target, sources, [torch.tensor(ids, device=device) for ids in rows], k=getattr(source, "depth", k),
-            params=params,
-            max_new_tokens=max_new, eos_token_ids=stop_ids,
+            target, sources, [torch.tensor(ids, device=device) for ids in rows], k=drafts_per_step(source),
+            params=params, max_new_tokens=max_new, eos_token_ids=stop_ids,
             generator=torch.Generator(device=device).manual_seed(generator_seed),
         )  # fmt: skip
 
