@@ -5,6 +5,7 @@ heads' 4x lr, the merged export, the drift report of the end-of-training eval, a
 """
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from specdraft.config import load_recipe
 from specdraft.contract import TrainingContext
 from specdraft.drafters import load_drafter
 from specdraft.drafters.medusa2 import (
+    DRIFT_WARNING_KL,
     MEDUSA2,
     Medusa2Config,
     drift_report,
@@ -171,8 +173,22 @@ def test_drift_is_zero_before_training_and_reported_after(runs):
     assert report["mean_kl_original_adapted"] > 0 and 0 <= report["greedy_agreement"] <= 1
     fresh = FrozenTarget.from_pretrained(runs.tmp / "target", dtype="float32")
     untrained = MEDUSA2.build(fresh, Medusa2Config(num_heads=2))
-    report = drift_report(fresh, untrained, prompts, max_new_tokens=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no drift, no warning
+        report = drift_report(fresh, untrained, prompts, max_new_tokens=16)
     assert report["greedy_agreement"] == 1.0 and report["mean_kl_original_adapted"] == pytest.approx(0, abs=1e-7)
+
+
+def test_a_drifted_target_gets_a_warning_that_names_the_adapters_lr():
+    target = tiny_target()
+    drafter = MEDUSA2.build(target, Medusa2Config(num_heads=2)).eval()
+    prompts = [torch.tensor([[1, 5, 9, 12, 40]])]
+    torch.manual_seed(0)
+    for b in lora(drafter, "B"):  # adapters that moved far: W + (alpha/r) B A is another model
+        b.data.normal_(0, 0.5)
+    with pytest.warns(UserWarning, match=r"drifted from the original: mean KL .* lower optimizer\.lr"):
+        report = drift_report(target, drafter, prompts, max_new_tokens=8)
+    assert report["mean_kl_original_adapted"] > DRIFT_WARNING_KL
 
 
 def test_the_end_of_training_eval_decodes_against_the_adapted_target_and_reports_its_drift(tmp_path, capsys):
