@@ -126,7 +126,10 @@ def eval_history(run_dir: Path) -> str:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = {row["step"]: row for row in rows if "eval/acc_0" in row}  # the final eval repeats the last step
     return ", ".join(f"{step}: {row['eval/acc_0']:.3f}" + (f" / {row['eval/sim_accept_len']:.2f}"
-                     if "eval/sim_accept_len" in row else "") for step, row in evals.items())
+                     if "eval/sim_accept_len" in row else "")
+                     # Medusa-2: how far the adapted target has moved from the original on the held-out answers
+                     + (f" / KL {row['eval/kl_original_adapted']:.3f}" if "eval/kl_original_adapted" in row else "")
+                     for step, row in evals.items())
 
 
 def draft_vocab_coverage(drafter, target_dir: Path, tokenizer) -> float:

@@ -12,9 +12,9 @@ to push back. Each variant moves one knob of that balance. The first variant nev
 the joint stage buys.
 
 For each variant: held-out acc_0 and KL during training (the run's periodic evals), then on --per-category
-Spec-Bench questions (first turns): drift (mean KL along the original's greedy answer, greedy agreement
-and common prefix over --max-new-tokens; ``medusa2.drift_report``) and tau at T=0, K=5, on the adapted
-target. Writes WORK/drift.json and WORK/drift.md and prints the Markdown.
+Spec-Bench questions: drift on their first turns (mean KL along the original's greedy answer, greedy
+agreement and common prefix over --max-new-tokens; ``medusa2.drift_report``), and tau at T=0, K=5, on the
+adapted target over all their turns. Writes WORK/drift.json and WORK/drift.md and prints the Markdown.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from bench_families import prompt_sets, recipe_for, target_answers, train_runs
+from transformers import AutoTokenizer
 
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import load_drafter
@@ -90,17 +91,17 @@ def main() -> None:
     heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
                                         args.answer_dtype)
     variants = dict(parse_variant(v) for v in args.variant) if args.variant else VARIANTS
+    joint_from = round(args.joint_from * args.steps)
     common = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
               "eval.enabled=false", f"training.max_steps={args.steps}",
               f"training.micro_batch_size={args.micro_batch_size}", f"training.eval_every={max(1, args.steps // 3)}",
-              f"drafter.joint_from_step={round(args.joint_from * args.steps)}"]
+              f"drafter.joint_from_step={joint_from}"]
     runs = {f"variant-{i}": ("medusa2", recipe, common + [o.format(steps=args.steps) for o in overrides])
             for i, overrides in enumerate(variants.values())}
     trained = train_runs(runs, work, args.jobs, [answers, heldout_answers])
 
-    probe = FrozenTarget.from_pretrained(target_dir, dtype="float32")
-    prompt_ids = [torch.tensor([prompt_token_ids(probe.tokenizer, p)]) for p in eval_prompts]
-    del probe
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, p)]) for p in eval_prompts]
     rows = []
     for (name, overrides), (run_name, record) in zip(variants.items(), trained.items()):
         target = FrozenTarget.from_pretrained(target_dir, dtype="float32")  # its own: the drafter adapts it
@@ -117,7 +118,7 @@ def main() -> None:
         del target, drafter
 
     lines = [f"## Medusa-2 variants on {args.target}: drift against acceptance ({len(eval_prompts)} prompts from "
-             f"{source}, {args.steps} steps, joint from step {round(args.joint_from * args.steps)}, micro-batch "
+             f"{source}, {args.steps} steps, joint from step {joint_from}, micro-batch "
              f"{args.micro_batch_size}, {args.max_new_tokens} new tokens, K={K}, T=0)", "",
              f"`python {' '.join(sys.argv)}`", "",
              "| variant | held-out acc_0 | held-out KL | drift KL | greedy agreement | common prefix | tau (T=0) "
