@@ -8,8 +8,9 @@
                x data (teacher answers: lambda 0; on-policy lambda 0.5; on-policy lambda 1), plus the
                baseline trained by next-token CE on the teacher's answers; each in a fresh 1-thread
                process. The student as initialised (no training) is the floor.
-  3. evaluate  one `evaluate` per temperature (0 and 1): every student, prompt lookup and plain decoding,
-               chain K=5: tau, alpha, c, speedup. The winner per decoding mode is printed.
+  3. evaluate  one `evaluate` per temperature (0 and 1; --eval-jobs 2 runs the two side by side, a process
+               each): every student, prompt lookup and plain decoding, chain K=5: tau, alpha, c, speedup.
+               The winner per decoding mode is printed.
   4. assisted  the T=0 winner in transformers' assisted generation (same K, constant schedule, no
                confidence cut-off) against specdraft's decoder, greedy, same prompts: identical tokens
                required, wall clock compared; also with the student's decode step compiled
@@ -30,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from bench_eagle import K, evaluate_at_temperatures, markdown_table
+from bench_eagle import K, evaluate_at_temperatures, evaluate_temperatures_side_by_side, markdown_table
 from bench_families import (
     RECIPE_PREFIX,
     prompt_sets,
@@ -57,6 +58,30 @@ def cells() -> dict[str, list[str]]:
     grid = {f"{div}-{data}": [f"drafter.divergence={div}", f"drafter.on_policy_fraction={lam}", *extra]
             for div, extra in DIVERGENCE_CELLS.items() for data, lam in DATA_CELLS.items()}
     return {**grid, "ce-teacher": ["drafter.divergence=ce", "drafter.on_policy_fraction=0.0"]}
+
+
+ROW_LABELS = {"fkl": "FKL", "rkl": "RKL", "jsd": "JSD(0.5)", "tvd": "TVD", "ce": "CE (next token)",
+              "init-only": "untrained (init only)"}
+
+
+def grid_table(results: dict) -> str:
+    """divergence x data, tau (alpha measured) per temperature: the grid at a glance (report.md's full
+    tables give c, tokens/s and speedups)."""
+    columns = [(data, temperature) for temperature in results for data in DATA_CELLS]
+    lines = ["| divergence | " + " | ".join(f"{data} T={t:g}" for data, t in columns) + " |",
+             "|---" + "|---:" * len(columns) + "|"]
+    for row in [*DIVERGENCE_CELLS, "ce", "init-only"]:
+        cells = []
+        for data, temperature in columns:
+            if row in DIVERGENCE_CELLS:
+                name = f"{row}-{data}"
+            else:  # one column each: CE trains on the teacher's answers only, the untrained student on nothing
+                name = {"ce": "ce-teacher", "init-only": "init-only"}[row] if data == "teacher" else None
+            overall = results[temperature]["methods"].get(name, {}).get("overall")
+            cells.append("-" if not overall or overall["acceptance_length"] is None else
+                         f"{overall['acceptance_length']:.2f} ({overall['alpha_measured']:.2f})")
+        lines.append(f"| {ROW_LABELS[row]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def untrained_student(recipe: Path, target, work: Path) -> Path:
@@ -179,6 +204,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--eval-jobs", type=int, default=1, choices=(1, 2),
+                        help="2: evaluate the two temperatures side by side, a process each")
+    parser.add_argument("--skip-assisted", action="store_true", help="steps 1-3 only (step 4: --assisted-only)")
     parser.add_argument("--assisted-only", nargs="?", const="winner", default=None, metavar="CELL",
                         help="only step 4, on CELL (trained here if WORK holds no current run of it), or on the T=0 "
                              "winner of the grid WORK/results.json holds; writes WORK/assisted-<cell>.json")
@@ -213,16 +241,21 @@ def main() -> None:
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
     fits = fitting_prompts(target, eval_prompts, args.max_new_tokens)
-    students = {name: load_drafter(run["drafter"], target).eval() for name, run in trained.items()}
-    students["init-only"] = load_drafter(untrained_student(recipe, target, work), target).eval()
-    results = evaluate_at_temperatures(target, students, fits, args.max_new_tokens, work / "eval")
+    folders = {**{name: Path(run["drafter"]) for name, run in trained.items()},
+               "init-only": untrained_student(recipe, target, work)}
+    if args.eval_jobs == 2:
+        results = evaluate_temperatures_side_by_side(target_dir, folders, fits, args.max_new_tokens, work / "eval")
+    else:
+        students = {name: load_drafter(folder, target).eval() for name, folder in folders.items()}
+        results = evaluate_at_temperatures(target, students, fits, args.max_new_tokens, work / "eval")
 
     lines = [(f"## DistillSpec grid on {args.target} ({len(fits)} prompts from {source}, K={K}, "
              f"{args.steps} steps per cell, max {args.max_new_tokens} new tokens, float32, 1 thread)"), "",
              f"`python {' '.join(sys.argv)}`", "", f"answers: {answer_record}", ""]
+    lines += ["### the grid: tau (alpha measured)", "", grid_table(results), ""]
     winners = {}
     for temperature, result in results.items():
-        overall = {m: g["overall"] for m, g in result["methods"].items() if m in students}
+        overall = {m: g["overall"] for m, g in result["methods"].items() if m in folders}
         best = max(overall, key=lambda m: overall[m]["acceptance_length"] or 0)
         winners[temperature] = best
         lines += [f"### temperature {temperature:g}", "", markdown_table(result), "",
@@ -232,14 +265,23 @@ def main() -> None:
         alpha = run["final_metrics"].get("eval/alpha")
         lines.append(f"| {name} | {run['seconds'] / 60:.1f} | {run['tokens']} | "
                      f"{'-' if alpha is None else format(alpha, '.3f')} |")
-    assisted = assisted_against_specdraft(target, students[winners[0.0]], fits, args.max_new_tokens)
-    lines += ["", f"### {winners[0.0]} in transformers' assisted generation vs specdraft's decoder (greedy, K={K})",
-              "", json.dumps(assisted)]
-    markdown = "\n".join(lines)
-    (work / "report.md").write_text(markdown + "\n")
-    (work / "results.json").write_text(json.dumps({"args": vars(args), "training": trained, "winners": winners,
-                                                   "assisted": assisted,
-                                                   "eval": {str(t): r for t, r in results.items()}}, indent=1))
+    record = {"args": vars(args), "training": trained, "winners": winners,
+              "eval": {str(t): r for t, r in results.items()}}
+
+    def write(lines: list[str], record: dict) -> str:
+        markdown = "\n".join(lines)
+        (work / "report.md").write_text(markdown + "\n")
+        (work / "results.json").write_text(json.dumps(record, indent=1))
+        return markdown
+
+    markdown = write(lines, record)  # the grid is kept even if step 4 is stopped (--assisted-only redoes it alone)
+    if not args.skip_assisted:
+        print(f"grid written to {work / 'report.md'}; now {winners[0.0]} in transformers' assisted generation")
+        assisted = assisted_against_specdraft(target, load_drafter(folders[winners[0.0]], target).eval(), fits,
+                                              args.max_new_tokens)
+        lines += ["", f"### {winners[0.0]} in transformers' assisted generation vs specdraft's decoder "
+                  f"(greedy, K={K})", "", json.dumps(assisted)]
+        markdown = write(lines, {**record, "assisted": assisted})
     print("\n" + markdown)
 
 

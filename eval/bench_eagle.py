@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -142,15 +144,39 @@ def draft_vocab_coverage(drafter, target_dir: Path, tokenizer) -> float:
     return drafter.t2d[ids].float().mean().item()
 
 
+def evaluate_at_temperature(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path,
+                            temperature: float) -> dict:
+    """One `evaluate`: every drafter, prompt lookup and plain decoding, chain K."""
+    sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
+    sources["prompt-lookup"] = PromptLookupSource()
+    return evaluate(target, sources, prompts, SamplingParams(temperature=temperature), k=K,
+                    max_new_tokens=max_new_tokens, out_dir=out / f"temperature-{temperature:g}")
+
+
 def evaluate_at_temperatures(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path) -> dict:
-    """One `evaluate` per temperature: every drafter, prompt lookup and plain decoding, chain K."""
-    results = {}
-    for temperature in TEMPERATURES:
-        sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
-        sources["prompt-lookup"] = PromptLookupSource()
-        results[temperature] = evaluate(target, sources, prompts, SamplingParams(temperature=temperature), k=K,
-                                        max_new_tokens=max_new_tokens, out_dir=out / f"temperature-{temperature:g}")
-    return results
+    """One `evaluate` per temperature, one after the other."""
+    return {t: evaluate_at_temperature(target, drafters, prompts, max_new_tokens, out, t) for t in TEMPERATURES}
+
+
+def evaluate_folders_at_temperature(target_dir: Path, drafter_dirs: dict, prompts: list[Prompt], max_new_tokens: int,
+                                    out: Path, temperature: float) -> dict:
+    """``evaluate_at_temperature`` in this (fresh, one-thread) process, the models loaded from their folders."""
+    torch.set_num_threads(1)
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    drafters = {name: load_drafter(folder, target).eval() for name, folder in drafter_dirs.items()}
+    return evaluate_at_temperature(target, drafters, prompts, max_new_tokens, out, temperature)
+
+
+def evaluate_temperatures_side_by_side(target_dir: Path, drafter_dirs: dict, prompts: list[Prompt],
+                                       max_new_tokens: int, out: Path) -> dict:
+    """``evaluate_at_temperatures`` with each temperature in its own process, a core each: half the wall clock
+    of many drafters on a real target. Speedups stay like for like: within a temperature every method runs
+    in the same process, beside the same neighbour."""
+    context = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's torch threads
+    with ProcessPoolExecutor(max_workers=len(TEMPERATURES), mp_context=context) as pool:
+        futures = {t: pool.submit(evaluate_folders_at_temperature, target_dir, drafter_dirs, prompts, max_new_tokens,
+                                  out, t) for t in TEMPERATURES}  # fmt: skip
+        return {t: future.result() for t, future in futures.items()}
 
 
 def markdown_table(result: dict) -> str:

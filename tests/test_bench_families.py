@@ -1,5 +1,6 @@
 """eval/bench_families.py's per-family overrides and bench_medusa2_drift.py's variants (the logic, not the figures)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,3 +33,49 @@ def test_a_medusa2_drift_variant_is_a_name_and_its_overrides():
     assert parse_variant("the recipe:") == ("the recipe", [])
     with pytest.raises(SystemExit, match="NAME:KEY=VALUE"):
         parse_variant("optimizer.lr=5e-5")
+
+
+def test_the_temperatures_side_by_side_measure_what_one_after_the_other_does(tmp_path):
+    """Two spawned processes, the models read from their folders: the same acceptance, position by position,
+    as the in-process evaluation (timings aside)."""
+    from bench_eagle import evaluate_at_temperatures, evaluate_temperatures_side_by_side
+    from tiny import save_tiny_target
+
+    from specdraft.drafters import load_drafter
+    from specdraft.drafters.distillspec import DISTILLSPEC, DistillSpecConfig
+    from specdraft.evaluation.suites import Prompt
+    from specdraft.target import FrozenTarget
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    DISTILLSPEC.build(target, DistillSpecConfig(num_layers=1)).save_pretrained(tmp_path / "student")
+    prompts = [Prompt("1", "s", "writing", "question", ["Write a poem.", "Shorter."]),
+               Prompt("2", "s", "qa", "question", ["How many legs does a spider have?"])]
+    folders = {"student": tmp_path / "student"}
+    apart = evaluate_temperatures_side_by_side(target_dir, folders, prompts, 12, tmp_path / "apart")
+    together = evaluate_at_temperatures(target, {"student": load_drafter(folders["student"], target).eval()},
+                                        prompts, 12, tmp_path / "together")
+    assert set(apart) == set(together) == {0.0, 1.0}
+    for temperature, result in together.items():
+        for method in ("student", "prompt-lookup"):
+            ours, theirs = apart[temperature]["methods"][method]["overall"], result["methods"][method]["overall"]
+            keys = ("num_tokens", "acceptance_length", "position_acceptance", "alpha_measured")
+            assert json.dumps([ours[k] for k in keys]) == json.dumps([theirs[k] for k in keys]), (temperature, method)
+    assert together[0.0]["methods"]["student"]["overall"]["num_tokens"] > 0
+
+
+def test_the_distillspec_grid_puts_each_cell_under_its_divergence_and_data():
+    from bench_distillspec import cells, grid_table
+
+    def overall(tau, alpha):
+        return {"overall": {"acceptance_length": tau, "alpha_measured": alpha}}
+
+    names = [*cells(), "init-only", "prompt-lookup"]
+    results = {t: {"methods": {name: overall(1 + i / 100 + t, i / 100) for i, name in enumerate(names)}}
+               for t in (0.0, 1.0)}
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in grid_table(results).splitlines()[2:]}
+    assert list(rows) == ["FKL", "RKL", "JSD(0.5)", "TVD", "CE (next token)", "untrained (init only)"]
+    assert rows["RKL"][1] == "1.04 (0.04)"  # rkl-onpolicy0.5, T=0: the 5th cell
+    assert rows["TVD"][5].rstrip(" |") == "2.11 (0.11)"  # tvd-onpolicy1, T=1
+    assert rows["CE (next token)"] == ["1.12 (0.12)", "-", "-", "2.12 (0.12)", "-", "- |"]
+    assert rows["untrained (init only)"][3] == "2.13 (0.13)"
