@@ -15,7 +15,8 @@
                confidence cut-off) against specdraft's decoder, greedy, same prompts: identical tokens
                required, wall clock compared; also with the student's decode step compiled
                (DraftLMSource(compile=True); transformers switches compilation off for its assistant),
-               and with the target's verify compiled as well (speculative_decode(compile_target=True)).
+               and with the target's verify compiled as well (speculative_decode(compile_target=True));
+               and each eager loop's time inside the two models' forwards (alike in both) and outside them.
 
 Writes WORK/results.json and WORK/report.md, and prints the Markdown. `--assisted-only CELL` runs
 step 4 alone on one cell (training only that cell if WORK holds no current run of it).
@@ -94,14 +95,17 @@ def untrained_student(recipe: Path, target, work: Path) -> Path:
 
 @contextmanager
 def time_in_forwards(modules):
-    """{"seconds": time spent inside these modules' forward calls} (hooks; the modules are not nested)."""
-    spent, started = {"seconds": 0.0}, {}
+    """{"seconds": time spent inside these modules' forward calls, "calls": how many calls the first module
+    took} (hooks; the modules are not nested). With the target's body first, "calls" counts the target's
+    forwards: its prefills and verifies."""
+    spent, started = {"seconds": 0.0, "calls": 0}, {}
 
     def enter(module, args):
         started[id(module)] = time.perf_counter()
 
     def leave(module, args, output):
         spent["seconds"] += time.perf_counter() - started.pop(id(module))
+        spent["calls"] += module is modules[0]
 
     handles = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
@@ -114,16 +118,21 @@ def time_in_forwards(modules):
 def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) -> dict:
     """Greedy, same student, same K: transformers' assisted generation against speculative_decode.
 
-    Also the share of specdraft's time spent inside the two models' forwards, which both decoders run
-    alike (one K+1-token target forward and K one-token student forwards a step): transformers' time
-    over that is the ratio specdraft would reach with no overhead of its own (``ceiling``)."""
+    Also the time each eager loop spends inside the two models' forwards, which both run alike (one
+    K+1-token target forward and K one-token student forwards a step), and outside them, per target
+    forward (``outside_forwards_ms_per_call``): the decoders differ only there. transformers' time over
+    specdraft's forwards is the ratio specdraft would reach with no overhead of its own (``ceiling``)."""
     eos = target.tokenizer.eos_token_id
     assistant = student.lm()
     assistant.generation_config.num_assistant_tokens = K
     assistant.generation_config.num_assistant_tokens_schedule = "constant"  # K drafts every step, as ours
     assistant.generation_config.assistant_confidence_threshold = 0.0  # never cut a proposal short
-    seconds = {"transformers": 0.0, "specdraft": 0.0, "specdraft_forwards": 0.0, "specdraft_compiled": 0.0,
-               "specdraft_compiled_target": 0.0}
+    seconds = {"transformers": 0.0, "transformers_forwards": 0.0, "specdraft": 0.0, "specdraft_forwards": 0.0,
+               "specdraft_compiled": 0.0, "specdraft_compiled_target": 0.0}
+    target_calls = {"transformers": 0, "specdraft": 0}
+    # The student's decoder and head, not the student itself: DraftLMSource calls model.forward, which runs
+    # no hooks of the outer module. transformers calls the same inner modules, so both loops are timed alike.
+    forward_modules = [target.base, target.lm_head, assistant.get_decoder(), assistant.get_output_embeddings()]
     identical = identical_compiled = identical_compiled_target = tokens = 0
     # The same student with its decode step compiled (DraftLMSource(compile=True)), then with the target's verify
     # compiled too (compile_target): an untimed pass over the prompts compiles both for every cache size they
@@ -135,20 +144,21 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
                            max_new_tokens=max_new_tokens, compile_target=True)  # fmt: skip
     for ids in token_ids:
         started = time.perf_counter()
-        theirs = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
-                                       do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                       pad_token_id=eos)[0, ids.shape[1]:].tolist()
+        with time_in_forwards(forward_modules) as forwards:
+            theirs = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
+                                           do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                           pad_token_id=eos)[0, ids.shape[1]:].tolist()
         seconds["transformers"] += time.perf_counter() - started
+        seconds["transformers_forwards"] += forwards["seconds"]
+        target_calls["transformers"] += forwards["calls"]
         started = time.perf_counter()
-        # The student's decoder and head, not the student itself: DraftLMSource calls model.forward, which
-        # runs no hooks of the outer module.
-        with time_in_forwards([target.base, target.lm_head, assistant.get_decoder(),
-                               assistant.get_output_embeddings()]) as forwards:
+        with time_in_forwards(forward_modules) as forwards:
             ours = speculative_decode(target, student.draft_source(target), ids, k=K,
                                       params=SamplingParams(temperature=0), max_new_tokens=max_new_tokens,
                                       eos_token_ids=eos).tokens
         seconds["specdraft"] += time.perf_counter() - started
         seconds["specdraft_forwards"] += forwards["seconds"]
+        target_calls["specdraft"] += forwards["calls"]
         started = time.perf_counter()
         ours_compiled = speculative_decode(target, compiled, ids, k=K, params=SamplingParams(temperature=0),
                                            max_new_tokens=max_new_tokens, eos_token_ids=eos).tokens
@@ -171,7 +181,11 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
             "compiled_target_over_transformers": round(seconds["transformers"] / seconds["specdraft_compiled_target"],
                                                        2),  # fmt: skip
             "forward_share": round(seconds["specdraft_forwards"] / seconds["specdraft"], 3),
-            "ceiling": round(seconds["transformers"] / seconds["specdraft_forwards"], 2)}
+            "ceiling": round(seconds["transformers"] / seconds["specdraft_forwards"], 2),
+            "target_forwards": target_calls,
+            "outside_forwards_ms_per_call": {
+                name: round(1000 * (seconds[name] - seconds[f"{name}_forwards"]) / max(target_calls[name], 1), 2)
+                for name in target_calls}}
 
 
 def fitting_prompts(target, prompts, max_new_tokens: int) -> list:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -102,6 +104,30 @@ def train_drafter(family: str, target_dir: Path, data: list[str], work: Path, st
     return record
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def spawned_workers(max_workers: int, **pool_options):
+    """A pool of fresh (spawned) processes that ends with this script: Ctrl-C, or a SIGTERM (`kill`,
+    `pkill`) of this process alone, terminates the workers too, which would otherwise go on unseen. A
+    training worker's SIGTERM saves a checkpoint at its next step and exits (the loop's StopRequested);
+    the pool's shutdown waits for that."""
+    context = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's torch threads
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # SIGTERM's default exits without unwinding
+    try:
+        with ProcessPoolExecutor(max_workers=max_workers, mp_context=context, **pool_options) as pool:
+            try:
+                yield pool
+            except BaseException:
+                for worker in multiprocessing.active_children():
+                    worker.terminate()
+                raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _train_one_thread(family: str, *args) -> dict:
     """A --train-jobs worker: one torch thread, no progress bar (two bars would interleave)."""
     torch.set_num_threads(1)
@@ -113,11 +139,8 @@ def train_all(target_dir: Path, data: list[str], work: Path, steps: dict, reuse:
     which uses both cores of a 2-core machine; each drafter's recorded time is its own wall clock."""
     if jobs <= 1:
         return {family: train_drafter(family, target_dir, data, work, steps[family], reuse) for family in DRAFTERS}
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     print(f"training {', '.join(DRAFTERS)} side by side (no progress bars; this takes minutes)")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with spawned_workers(jobs) as pool:
         futures = {family: pool.submit(_train_one_thread, family, target_dir, data, work, steps[family], reuse)
                    for family in DRAFTERS}
         return {family: future.result() for family, future in futures.items()}
@@ -172,8 +195,7 @@ def evaluate_temperatures_side_by_side(target_dir: Path, drafter_dirs: dict, pro
     """``evaluate_at_temperatures`` with each temperature in its own process, a core each: half the wall clock
     of many drafters on a real target. Speedups stay like for like: within a temperature every method runs
     in the same process, beside the same neighbour."""
-    context = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's torch threads
-    with ProcessPoolExecutor(max_workers=len(TEMPERATURES), mp_context=context) as pool:
+    with spawned_workers(len(TEMPERATURES)) as pool:
         futures = {t: pool.submit(evaluate_folders_at_temperature, target_dir, drafter_dirs, prompts, max_new_tokens,
                                   out, t) for t in TEMPERATURES}  # fmt: skip
         return {t: future.result() for t, future in futures.items()}

@@ -26,17 +26,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
 import random
 import resource
 import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from bench_eagle import K, eval_history, evaluate_at_temperatures, markdown_table
+from bench_eagle import K, eval_history, evaluate_at_temperatures, markdown_table, spawned_workers
 
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, load_drafter
@@ -195,22 +193,13 @@ def train_runs(runs: dict[str, tuple[str, Path, list[str]]], work: Path, jobs: i
     """name -> (family, recipe, overrides), each trained into WORK/runs/<name> in a fresh 1-thread process
     (max_tasks_per_child=1), `jobs` at a time; returns name -> its ``train_family`` record."""
     data_digest = digest([hashlib.sha256(path.read_bytes()).hexdigest() for path in data])
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+    with spawned_workers(jobs, max_tasks_per_child=1) as pool:
         futures = {name: pool.submit(train_family, family, recipe,
                                      overrides + [f"checkpoint.output_dir={work / 'runs' / name}"],
                                      work / "runs" / name, data_digest)
                    for name, (family, recipe, overrides) in runs.items()}
         print(f"training {', '.join(runs)}, {jobs} at a time, one thread each (no progress bars; minutes)")
-        try:
-            return {name: future.result() for name, future in futures.items()}
-        except BaseException:
-            # Ctrl-C or a kill of this script: stop the training workers too, or they train on
-            # unseen. SIGTERM makes each save a checkpoint at its next step and exit (the loop's
-            # StopRequested); the pool's shutdown then waits for them.
-            for worker in multiprocessing.active_children():
-                worker.terminate()
-            raise
+        return {name: future.result() for name, future in futures.items()}
 
 
 # -- 3. evaluate and 4. exports ---------------------------------------------------------------------

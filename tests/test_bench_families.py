@@ -79,3 +79,45 @@ def test_the_distillspec_grid_puts_each_cell_under_its_divergence_and_data():
     assert rows["TVD"][5].rstrip(" |") == "2.11 (0.11)"  # tvd-onpolicy1, T=1
     assert rows["CE (next token)"] == ["1.12 (0.12)", "-", "-", "2.12 (0.12)", "-", "- |"]
     assert rows["untrained (init only)"][3] == "2.13 (0.13)"
+
+
+def test_time_in_forwards_counts_the_first_modules_calls_and_only_inside_its_context():
+    import torch
+
+    from bench_distillspec import time_in_forwards
+
+    body, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    x = torch.ones(1, 4)
+    with time_in_forwards([body, head]) as spent:
+        head(body(x))
+        head(body(x))
+        head(x.new_ones(1, 4))
+    assert spent["calls"] == 2  # the body's calls (the target's forwards), not the head's
+    assert spent["seconds"] > 0
+    seconds = spent["seconds"]
+    body(x), head(x)  # outside the context: the hooks are gone
+    assert spent == {"seconds": seconds, "calls": 2}
+
+
+def test_a_sigterm_to_the_bench_ends_its_spawned_workers_too(tmp_path):
+    """`pkill -f bench_...` signals the main process alone: its pool's workers must not go on unseen."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'eval')!r})\n"
+        "from bench_eagle import spawned_workers\n"
+        "if __name__ == '__main__':\n"
+        "    with spawned_workers(2) as pool:\n"
+        "        futures = [pool.submit(time.sleep, 300) for _ in range(2)]\n"
+        "        print(*[p.pid for p in multiprocessing.active_children()], flush=True)\n"
+        "        futures[0].result()\n"
+    )
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in bench.stdout.readline().split()]
+    assert len(workers) == 2
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
