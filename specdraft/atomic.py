@@ -3,11 +3,19 @@ folder where a good one (or nothing) was."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager
@@ -16,11 +24,14 @@ def atomic_folder(path: str | Path):
 
     An existing ``path`` is renamed aside first and deleted only after the swap, so at every
     instant either the old or the new folder is complete. On error the temporary folder is removed.
+    The folder gets the permissions any tool's ``mkdir`` gives under the user's umask (``mkdtemp``
+    alone makes it private, 0700).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        tmp.chmod(0o777 & ~current_umask())
         yield tmp
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -31,3 +42,21 @@ def atomic_folder(path: str | Path):
             tmp.rename(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether a write failed for want of space: an ``OSError`` with ENOSPC/EDQUOT, or a library's
+    wrapper of one (torch.save's ``RuntimeError``, safetensors' ``SafetensorError``), which carry
+    the message only."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error).lower()
+    return "no space left" in text or "disk quota" in text or "file write failed" in text
+
+
+def describe_bytes(n: int | float) -> str:
+    """``1.5 GiB``, ``12.0 MiB``: sizes in messages."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

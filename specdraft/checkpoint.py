@@ -16,6 +16,7 @@ crash or a full disk mid-write never damages the previous one.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import describe_bytes, is_disk_full
 from .errors import SpecdraftError
 
 STATE_FILE = "trainer_state.json"
@@ -51,6 +53,28 @@ def find_drafter_dir(path: str | Path) -> Path:
         f"no drafter checkpoint in {path}: expected {path}/drafter or {path}/checkpoints/step-*/. "
         "Train first (`specdraft train RECIPE`) or point at a run folder that has one."
     )
+
+
+def damaged_drafter_message(file: Path, error: Exception) -> str:
+    """What to say when a saved drafter's file cannot be read: which file, and which checkpoint of the same
+    run still holds weights that read back."""
+    from safetensors import safe_open
+
+    holder = file.parent.parent  # RUN for RUN/drafter/FILE, RUN/checkpoints/step-N for a checkpoint's
+    run = holder.parent.parent if holder.parent.name == "checkpoints" else holder
+
+    def readable(ckpt: Path) -> bool:
+        try:
+            json.loads((ckpt / "drafter" / "config.json").read_text())
+            with safe_open(str(ckpt / "drafter" / "model.safetensors"), framework="pt"):
+                return True
+        except Exception:
+            return False
+
+    good = next((c for c in reversed(checkpoint_dirs(run)) if c != holder and readable(c)), None)
+    where = (f"Checkpoint {good} still holds readable weights: use it (e.g. `specdraft export {good} ...`)."
+             if good else "No other checkpoint of that run holds readable weights: train again.")
+    return f"{file} is damaged and cannot be read ({type(error).__name__}: {error}). {where}"
 
 
 def _rng_state() -> dict:
@@ -140,17 +164,36 @@ def _load_zero_shard(accelerator, optimizer, shard: dict) -> None:
 # -- DeepSpeed ZeRO (end) --------------------------------------------------------------------------
 
 
+def checkpoint_bytes(run_dir: Path, drafter, optimizer) -> int:
+    """The space one more checkpoint needs: the newest one's size, else the trained weights and the
+    optimizer's state (AdamW: two more tensors per weight) as they are in memory."""
+    previous = checkpoint_dirs(run_dir)
+    if previous:
+        return sum(f.stat().st_size for f in previous[-1].rglob("*") if f.is_file())
+    weights = sum(t.numel() * t.element_size() for t in drafter.state_dict().values())
+    moments = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+                  for t in state.values() if torch.is_tensor(t))
+    return weights + (moments or 2 * weights)
+
+
 def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, scheduler, trainer_state: dict,
                     keep_last: int) -> Path:
-    """Write RUN/checkpoints/step-N atomically; every rank writes its RNG (and ZeRO shard), rank 0 the rest."""
+    """Write RUN/checkpoints/step-N atomically; every rank writes its RNG (and ZeRO shard), rank 0 the rest.
+
+    A failed write (a full disk, anything else) removes the temporary folder and leaves the previous
+    checkpoints as they were; the error says how much space a checkpoint needs."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:07d}"
     tmp = root / f".tmp-step-{step:07d}"
+    need = checkpoint_bytes(run_dir, accelerator.unwrap_model(drafter), optimizer)
     try:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
+        free = shutil.disk_usage(tmp).free
+        if free < need:  # refuse before writing: a partial write would only fill the disk further
+            raise OSError(errno.ENOSPC, f"No space left on device: {describe_bytes(free)} free")
         torch.save(_rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
         zero = uses_deepspeed(accelerator)
         if zero:
@@ -170,13 +213,15 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, s
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-    except OSError as e:
+    except Exception as e:  # torch.save wraps ENOSPC in a RuntimeError, safetensors in a SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = checkpoint_dirs(run_dir)
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        reason = getattr(e, "strerror", None) or str(e)
+        fix = (f"A checkpoint needs about {describe_bytes(need)}: free that much in {root}" if is_disk_full(e)
+               else "Fix the cause")
         raise SpecdraftError(
-            f"could not write checkpoint step {step} ({e.strerror or e}); {kept}. Free disk space "
-            f"in {root} and resume with --resume."
+            f"could not write checkpoint step {step} ({reason}); {kept}. {fix} and resume with --resume."
         ) from e
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

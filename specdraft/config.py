@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,10 @@ from typing import Any
 import yaml
 
 from .errors import SpecdraftError
+
+# Drafts per step, at most: a step holds each draft's [V] probabilities, and a draft at depth 64 is accepted
+# with probability alpha^64 (about 1e-6 at alpha 0.8). 4-8 is typical.
+MAX_DRAFTS_PER_STEP = 64
 
 
 @dataclass
@@ -277,16 +283,56 @@ def _check_values(r: Recipe) -> None:
             raise SpecdraftError(f"'tracking.trackers' entries must be wandb, tensorboard or none; got {tracker!r}")
     if isinstance(r.target.taps, str) and r.target.taps not in ("auto", "eagle3"):
         raise SpecdraftError(f"'target.taps' must be a list of layer indices or 'auto'; got {r.target.taps!r}")
-    positive = {
+    o, e = r.optimizer, r.eval
+    at_least_one = {
         "training.micro_batch_size": t.micro_batch_size,
         "training.grad_accumulation": t.grad_accumulation,
+        "training.max_steps": t.max_steps,
+        "training.log_every": t.log_every,
+        "training.eval_batches": t.eval_batches,
         "data.max_length": r.data.max_length,
+        "data.num_proc": r.data.num_proc,
+        "data.max_samples": r.data.max_samples,
         "checkpoint.save_every": r.checkpoint.save_every,
         "checkpoint.keep_last": r.checkpoint.keep_last,
+        "eval.num_prompts": e.num_prompts,
+        "eval.max_new_tokens": e.max_new_tokens,
     }
-    for key, value in positive.items():
-        if value < 1:
+    for key, value in at_least_one.items():
+        if value is not None and value < 1:
             raise SpecdraftError(f"'{key}' must be >= 1; got {value}")
+    at_least_zero = {"optimizer.warmup_steps": o.warmup_steps, "optimizer.weight_decay": o.weight_decay,
+                     "training.max_grad_norm": t.max_grad_norm, "training.eval_every": t.eval_every,
+                     "training.num_workers": t.num_workers}
+    for key, value in at_least_zero.items():
+        if not value >= 0:  # `not >=` also catches NaN
+            raise SpecdraftError(f"'{key}' must be >= 0; got {value}")
+    # (key, value, low, high, what the range means): floats whose range is open at 0
+    ranges = [
+        ("optimizer.lr", o.lr, "> 0", o.lr > 0 and math.isfinite(o.lr), "a peak learning rate such as 1e-4"),
+        ("optimizer.eps", o.eps, "> 0", o.eps > 0, "AdamW's epsilon, 1e-8 by default"),
+        ("optimizer.min_lr_ratio", o.min_lr_ratio, "in [0, 1]", 0 <= o.min_lr_ratio <= 1,
+         "the floor of the decay as a fraction of optimizer.lr"),
+        ("training.epochs", t.epochs, "> 0", t.epochs is None or t.epochs > 0, "passes over the data"),
+        ("training.clip_grad_value", t.clip_grad_value, "> 0 (or null for off)",
+         t.clip_grad_value is None or t.clip_grad_value > 0, "element-wise gradient clipping"),
+        ("data.eval_fraction", r.data.eval_fraction, "in [0, 1)", 0 <= r.data.eval_fraction < 1,
+         "the share of the data held out for the eval metrics"),
+        ("eval.k", e.k, f"between 1 and {MAX_DRAFTS_PER_STEP}", 1 <= e.k <= MAX_DRAFTS_PER_STEP,
+         "drafts per step; 4-8 is typical"),
+    ]
+    for key, value, valid, ok, meaning in ranges:
+        if not ok:
+            raise SpecdraftError(f"'{key}' must be {valid}; got {value} ({meaning})")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise SpecdraftError(f"'optimizer.betas' must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {o.betas}")
+    for temperature in e.temperatures:
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise SpecdraftError(f"'eval.temperatures' must hold numbers >= 0 (0 = greedy); got {temperature}")
+    if t.max_steps is not None and o.warmup_steps > t.max_steps:
+        warnings.warn(f"optimizer.warmup_steps ({o.warmup_steps}) > training.max_steps ({t.max_steps}): the learning "
+                      f"rate never reaches optimizer.lr ({o.lr}); it stops at {o.lr * t.max_steps / o.warmup_steps:.3g}",
+                      stacklevel=3)
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

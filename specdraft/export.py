@@ -21,20 +21,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_folder
-from .checkpoint import find_drafter_dir
+from .atomic import atomic_folder, describe_bytes, is_disk_full
+from .checkpoint import damaged_drafter_message, find_drafter_dir
 from .contract import Exporter, ExportOptions, FolderExporter
 from .errors import SpecdraftError
 from .target import resolve_target_path
+from .target_fingerprint import check_target
 
 SIDE_FILE = "specdraft.json"  # where an export came from; engines never read it
 TARGET_EMBED = "model.embed_tokens.weight"  # the token embedding's name in the target's own checkpoint
@@ -170,13 +173,35 @@ def _target_embedding(saved: dict, tensors: dict, target: str) -> torch.Tensor:
 def _write_folder(path: Path, config: dict, tensors: dict, side: dict | None,
                   weights_file: str = "model.safetensors") -> None:
     """config.json + the tensors (+ specdraft.json), written to a temporary folder then renamed."""
-    with atomic_folder(path) as tmp:
+    with writing_export(path, sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # metadata format=pt: transformers' from_pretrained refuses safetensors files without it
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file),
                   metadata={"format": "pt"})
         if side is not None:
             (tmp / SIDE_FILE).write_text(json.dumps(side, indent=2) + "\n")
+
+
+@contextmanager
+def writing_export(path: Path, need: int):
+    """``atomic_folder`` for an export of about ``need`` bytes: refused up front when the disk has less
+    free, and any failure (a full disk) reported with what it needs and what is left as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path.parent).free
+    kept = f"an existing {path} is left as it was" if path.exists() else f"nothing was written to {path}"
+    if free < need:
+        raise SpecdraftError(f"not enough disk for the export: it needs about {describe_bytes(need)} and "
+                             f"{describe_bytes(free)} is free in {path.parent}; {kept}. Free space or choose "
+                             "another --out.")
+    try:
+        with atomic_folder(path) as tmp:
+            yield tmp
+    except SpecdraftError:
+        raise
+    except Exception as e:  # safetensors reports a full disk as a SafetensorError, shutil as an OSError
+        full = " (the disk is full)" if is_disk_full(e) else ""
+        raise SpecdraftError(f"could not write the export {path}{full}: {getattr(e, 'strerror', None) or e}. It needs "
+                             f"about {describe_bytes(need)}; {kept}.") from e
 
 
 def _find_recipe(given: Path, drafter_dir: Path) -> dict:
@@ -191,19 +216,21 @@ def _find_recipe(given: Path, drafter_dir: Path) -> dict:
 
 
 def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwrite: bool = False,
-           verifier: str | None = None, num_speculative_tokens: int | None = None) -> Path:
+           verifier: str | None = None, num_speculative_tokens: int | None = None,
+           allow_other_target: bool = False) -> Path:
     """Write the drafter of a run (its final drafter, else its newest checkpoint) in format ``fmt``.
 
     ``verifier`` is the target (a folder, hub id or specdraft shortcut such as ``toy``); by default the
     run recipe's ``target.path``. Exports that ship the target's token embedding read it there, and
     formats that name the target write it. ``num_speculative_tokens`` goes where a format records a
-    proposal length (vLLM's EAGLE-3 config); by default the recipe's ``eval.k``.
+    proposal length (vLLM's EAGLE-3 config); by default the recipe's ``eval.k``. A target other than
+    the one the drafter recorded (``specdraft.target_fingerprint``) is refused unless ``allow_other_target``.
     """
     given, out_dir = Path(run_or_drafter_dir), Path(out_dir)
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
         raise SpecdraftError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
     source = find_drafter_dir(given)
-    saved = json.loads((source / "config.json").read_text())
+    saved = read_saved_config(source)
     family = saved.get("family")
     if family is None:
         raise SpecdraftError(f"{source}/config.json names no drafter family; point at a folder save_pretrained wrote")
@@ -222,12 +249,19 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
         num_speculative_tokens=num_speculative_tokens or (recipe.get("eval") or {}).get("k") or 3,
     )
     side = {"format": fmt, "options": asdict(opts), "drafter_config": saved}
+    if opts.verifier and Path(opts.verifier).is_dir() and _target_file(opts.verifier, "config.json"):
+        # A local target is cheap to check: its embedding alone is read (by offset)
+        check_target(saved, read_target_embedding(opts.verifier), source, opts.verifier, allow_other_target)
     if isinstance(exporter, FolderExporter):  # a whole folder (a merged model): the exporter writes it
-        with atomic_folder(out_dir) as tmp:
+        need = sum(f.stat().st_size for f in source.iterdir() if f.is_file())
+        with writing_export(out_dir, need) as tmp:
             exporter.write(source, tmp, out_dir.resolve(), opts)
             (tmp / SIDE_FILE).write_text(json.dumps(side, indent=2) + "\n")
         return out_dir
-    tensors = load_file(str(source / "model.safetensors"))
+    try:
+        tensors = load_file(str(source / "model.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise SpecdraftError(damaged_drafter_message(source / "model.safetensors", e)) from e
     if exporter.target_embedding:
         if not opts.verifier:
             raise SpecdraftError(
@@ -235,9 +269,18 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
                 "next to the drafter: pass --target with the target's folder or hub id."
             )
         tensors[exporter.target_embedding] = _target_embedding(saved, tensors, opts.verifier)
+        check_target(saved, tensors[exporter.target_embedding], source, opts.verifier, allow_other_target)
     config, tensors = exporter.write(saved, tensors, opts)
     _write_folder(out_dir, config, tensors, None if exporter is DRAFTER_FOLDER else side, exporter.weights_file)
     return out_dir
+
+
+def read_saved_config(drafter_dir: Path) -> dict:
+    """A saved drafter's config.json; a damaged one is named, with the checkpoint that still holds weights."""
+    try:
+        return json.loads((drafter_dir / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        raise SpecdraftError(damaged_drafter_message(drafter_dir / "config.json", e)) from e
 
 
 def load_exported(path: str | Path, target):
@@ -314,12 +357,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ship its token embedding read it there, and formats that name the target write it")
     parser.add_argument("--num-speculative-tokens", type=int,
                         help="where a format records a draft length (vLLM EAGLE-3): the value (default: eval.k)")
+    parser.add_argument("--allow-other-target", action="store_true",
+                        help="export with a target other than the one the drafter was trained for (same shapes, "
+                             "other weights), which is refused otherwise")
 
 
 def run(args: argparse.Namespace) -> int:
     out = export(args.run, args.format, args.out, overwrite=args.overwrite, verifier=args.verifier,
-                 num_speculative_tokens=args.num_speculative_tokens)
-    family = json.loads((find_drafter_dir(Path(args.run)) / "config.json").read_text())["family"]
+                 num_speculative_tokens=args.num_speculative_tokens, allow_other_target=args.allow_other_target)
+    family = read_saved_config(find_drafter_dir(Path(args.run)))["family"]
     print(f"wrote {out}")
     hint = exporter_for(family, args.format).serve_hint
     if hint:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -196,6 +197,25 @@ def check_feature_cache(recipe: Recipe, needs: TargetNeeds) -> None:
         raise SpecdraftError(f"no feature cache in {folder}; run `specdraft cache-features RECIPE` first")
     if recipe.data.packing:
         raise SpecdraftError("the feature cache works with padding only; set data.packing=false")
+    missing = missing_shards(folder)
+    if missing:
+        raise SpecdraftError(
+            f"the feature cache in {folder} is incomplete: {len(missing)} shard(s) are missing ({missing[0]} first; "
+            "`specdraft cache-features` was interrupted). Run `specdraft cache-features RECIPE` again: it resumes "
+            "at the first missing shard.")
+
+
+def missing_shards(folder: Path) -> list[str]:
+    """The shard files a cache's manifest promises that are not on disk (an interrupted cache-features)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        sizes, shard_size = manifest["sizes"], manifest["shard_size"]
+    except (ValueError, KeyError) as e:
+        raise SpecdraftError(f"{folder / 'manifest.json'} is damaged ({e}); delete {folder} and run "
+                             "`specdraft cache-features RECIPE` again") from e
+    names = [f"{split}-{n:05d}.safetensors" for split, size in sizes.items()
+             for n in range(math.ceil(size / shard_size))]
+    return [name for name in names if not (folder / name).is_file()]
 
 
 def open_feature_caches(recipe: Recipe, target, needs: TargetNeeds) -> dict[str, FeatureCache] | None:

@@ -189,6 +189,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    for flag, value in (("--train-prompts", args.train_prompts), ("--steps", args.steps),
+                        ("--eval-prompts", args.eval_prompts), ("--heldout-answers", args.heldout_answers)):
+        if value is not None and value < 1:  # before anything is written: no half-made folder
+            raise SpecdraftError(f"{flag} must be >= 1, got {value}")
+    if out.exists() and not out.is_dir():
+        raise SpecdraftError(f"--out {out} is a file; give a folder for the quickstart's data, run and exports")
     if (out / "run").exists() and not args.overwrite:
         raise SpecdraftError(f"{out / 'run'} exists from an earlier quickstart; pass --overwrite or --out NEW_DIR")
     quickstart(out, args.train_prompts, args.steps, args.eval_prompts, args.overwrite, args.heldout_answers,

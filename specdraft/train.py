@@ -23,7 +23,7 @@ import torch
 import yaml
 from torch import nn
 
-from .atomic import atomic_folder
+from .atomic import atomic_folder, describe_bytes
 from .checkpoint import (
     checkpoint_dirs,
     full_parameters,
@@ -35,6 +35,8 @@ from .contract import Drafter, TargetNeeds, TrainingContext
 from .drafters import declared_needs, get_family, load_drafter
 from .errors import SpecdraftError
 from .named_targets import cache_home
+from .run_folder import Replacement, check_run_dir, resume_changes
+from .target_fingerprint import embedding_probe, record_target
 from .target import (
     FrozenTarget,
     check_taps,
@@ -46,7 +48,6 @@ from .train_parts import (
     RunState,
     StopRequested,
     append_jsonl,
-    check_run_dir,
     ddp_arguments,
     deepspeed_arguments,
     flat_config,
@@ -55,7 +56,6 @@ from .train_parts import (
     mean_over_batches,
     mean_over_processes,
     param_groups,
-    prepare_run_dir,
 )
 
 
@@ -69,6 +69,8 @@ class TrainStep(nn.Module):
         self.trained = drafter.trained_module()
         # In a tuple, outside the module tree: never wrapped, cast, sharded or saved by the loop.
         self._outside = (drafter, target, caches)
+        # Which target the drafter trains for, recorded with every save (specdraft.target_fingerprint).
+        self.target_probe = embedding_probe(target.embed_tokens.weight)
         self.prepare_seconds = 0.0  # training time in prepare: the target forward (or generation)
         self.total_steps = 0  # set once the loader is sharded (build_run): the run's length, for prepare
 
@@ -85,6 +87,7 @@ class TrainStep(nn.Module):
 
     def save_pretrained(self, path):
         self._outside[0].save_pretrained(path)
+        record_target(path, self.target_probe)
 
 
 @dataclass
@@ -105,6 +108,8 @@ class Run:
     state: RunState = field(default_factory=RunState)
     trackers: list[str] = field(default_factory=list)
     evaluated_at: int | None = None  # the step of the last periodic eval: the final eval does not repeat it
+    replacement: Replacement | None = None  # --overwrite: the old run, kept aside until the first checkpoint
+    data_fingerprints: dict = field(default_factory=dict)  # recorded in checkpoints: a resume checks the data
 
 
 def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_progress: bool = True) -> Path:
@@ -115,14 +120,20 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     run = build_run(recipe, resume, overwrite, needs)
     bar = tqdm(total=run.total_steps, initial=run.state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=not (show_progress and run.accelerator.is_local_main_process))
-    with StopRequested() as stop:
-        stopped = run_steps(run, stop, bar)
-    bar.close()
-    if stopped:
-        run.accelerator.print(f"stopped by signal at step {run.state.step}; resume with --resume")
-        run.accelerator.end_training()
-        return run.run_dir
-    finish(run, show_progress)
+    try:
+        with StopRequested() as stop:
+            stopped = run_steps(run, stop, bar)
+        bar.close()
+        if stopped:
+            run.accelerator.print(f"stopped by signal at step {run.state.step}; resume with --resume")
+            run.accelerator.end_training()
+            return run.run_dir
+        finish(run, show_progress)
+    except BaseException:
+        if run.replacement is not None and run.replacement.pending:  # failed before its first checkpoint
+            run.replacement.undo()
+            print(f"the new run failed before its first checkpoint: the run it was replacing is back in {run.run_dir}")
+        raise
     return run.run_dir
 
 
@@ -141,7 +152,10 @@ def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> Targe
     from .data.formats import check_data_source
     from .features import check_feature_cache
 
-    check_run_dir(Path(recipe.checkpoint.output_dir), resume, overwrite)
+    check_run_dir(recipe, resume, overwrite)
+    if resume:
+        resume_changes(recipe, Path(recipe.checkpoint.output_dir))
+        check_resumed_data(recipe)
     family = get_family(recipe.drafter_family)
     if family.check_recipe is not None:
         family.check_recipe(recipe)
@@ -201,8 +215,6 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
         **(deepspeed or ddp_arguments(family)),
     )
     load_models_whole(accelerator)
-    prepare_run_dir(run_dir, resume, overwrite, accelerator.is_main_process)
-    accelerator.wait_for_everyone()
     set_seed(tcfg.seed)
 
     target = load_target(recipe, accelerator.device, needs)
@@ -232,9 +244,46 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     scheduler = (family.lr_schedule or make_scheduler)(optimizer, recipe, total_steps)
     accelerator.unwrap_model(step_module).total_steps = total_steps
     run = Run(recipe, accelerator, run_dir, target, drafter, step_module, optimizer, scheduler, loader, eval_loader,
-              total_steps, trackers=trackers)
+              total_steps, trackers=trackers, data_fingerprints=data_fingerprints(recipe))
+    # Everything has loaded: only now may --overwrite move the old run out of the way (kept until the
+    # new run's first checkpoint lands, see specdraft.run_folder).
+    if overwrite and accelerator.is_main_process:
+        run.replacement = Replacement(run_dir)
+        run.replacement.begin()
+    accelerator.wait_for_everyone()
     _start_or_resume(run, resume)
     return run
+
+
+def _local_data_files(recipe: Recipe) -> dict[str, str]:
+    paths = {"data.path": recipe.data.path, "data.eval_path": recipe.data.eval_path}
+    return {key: path for key, path in paths.items() if path and Path(path).expanduser().exists()}
+
+
+def data_fingerprints(recipe: Recipe) -> dict[str, str]:
+    """A hash of each local data file the run trains and evaluates on (``data.path``, ``data.eval_path``),
+    recorded in every checkpoint, so a resume can tell the same path with other content."""
+    from .data.pipeline import data_fingerprint
+
+    return {key: data_fingerprint(path, recipe.data.split) for key, path in _local_data_files(recipe).items()}
+
+
+def check_resumed_data(recipe: Recipe) -> None:
+    """--resume: the data files must hold what the checkpoint trained on (checkpoints record their hashes)."""
+    import json
+
+    from .checkpoint import STATE_FILE
+
+    ckpt = checkpoint_dirs(Path(recipe.checkpoint.output_dir))[-1]
+    recorded = json.loads((ckpt / STATE_FILE).read_text()).get("data_fingerprints") or {}
+    files = _local_data_files(recipe)
+    changed = [f"{key} ({files[key]})" for key, digest in data_fingerprints(recipe).items()
+               if key in recorded and recorded[key] != digest]
+    if changed:
+        raise SpecdraftError(
+            f"--resume: {', '.join(changed)} no longer holds the data checkpoint {ckpt.name} trained on (its content "
+            "changed), so the run cannot continue exactly. Restore that file, or start a new run (another "
+            "checkpoint.output_dir, or --overwrite).")
 
 
 def _draft_vocab(recipe: Recipe, family, target: FrozenTarget, train_ds):
@@ -252,17 +301,24 @@ def _draft_vocab(recipe: Recipe, family, target: FrozenTarget, train_ds):
 def _start_or_resume(run: Run, resume: bool) -> None:
     """Restore the newest checkpoint (--resume), write the recipe, start the trackers."""
     accelerator, recipe = run.accelerator, run.recipe
+    changed = []
     if resume:
         ckpt = checkpoint_dirs(run.run_dir)[-1]
+        changed = resume_changes(recipe, run.run_dir)  # checked before loading: only the changes a resume may make
         saved = load_checkpoint(accelerator, ckpt, run.drafter.trained_module(), run.optimizer, run.scheduler)
         run.state = RunState(**saved["run"])
         accelerator.print(f"resumed from {ckpt} at step {run.state.step}")
+        for key, was, now in changed:
+            accelerator.print(f"  {key}: {was!r} -> {now!r} (applied from here on)")
     if accelerator.is_main_process:
         run.run_dir.mkdir(parents=True, exist_ok=True)
+        # The recipe this run follows from here: a resume changed only what resume_changes allows.
         (run.run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         if resume:  # lines after this one supersede any the killed run logged past the checkpoint
-            append_jsonl(run.run_dir / "metrics.jsonl",
-                         {"step": run.state.step, "event": "resumed", "checkpoint": ckpt.name})
+            event = {"step": run.state.step, "event": "resumed", "checkpoint": ckpt.name}
+            if changed:
+                event["changed"] = {key: [was, now] for key, was, now in changed}
+            append_jsonl(run.run_dir / "metrics.jsonl", event)
     if run.trackers:
         init_kwargs = {"wandb": {"name": recipe.tracking.run_name,
                                  "dir": os.environ.get("WANDB_DIR", str(run.run_dir))}}
@@ -347,9 +403,12 @@ def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[st
 
 
 def save(run: Run, reason: str) -> None:
-    trainer_state = {"run": vars(run.state), "world_size": run.accelerator.num_processes, "reason": reason}
+    trainer_state = {"run": vars(run.state), "world_size": run.accelerator.num_processes, "reason": reason,
+                     "recipe": run.recipe.to_dict(), "data_fingerprints": run.data_fingerprints}
     save_checkpoint(run.accelerator, run.run_dir, run.state.step, run.step_module, run.optimizer, run.scheduler,
                     trainer_state, run.recipe.checkpoint.keep_last)
+    if run.replacement is not None:  # the new run has a checkpoint: the old one it replaces can go
+        run.replacement.commit()
 
 
 # -- log --------------------------------------------------------------------------------------------
@@ -415,8 +474,7 @@ def finish(run: Run, show_progress: bool) -> None:
         log_metrics(run, evaluate(run))
     with full_parameters(accelerator, run.step_module):  # ZeRO-3: every process takes part in the gather
         if accelerator.is_main_process:
-            with atomic_folder(run.run_dir / "drafter") as tmp:
-                accelerator.unwrap_model(run.step_module).save_pretrained(tmp)
+            write_final_drafter(run)
     accelerator.wait_for_everyone()  # the last collective: the drafter is written
     if accelerator.is_main_process and recipe.eval.enabled:
         # The saved drafter, reloaded: what is evaluated is exactly what was written (and under
@@ -426,6 +484,21 @@ def finish(run: Run, show_progress: bool) -> None:
         acceptance_eval(recipe, target, load_drafter(run.run_dir / "drafter", target), run.run_dir / "eval",
                         wandb_run, show_progress)
     accelerator.end_training()
+
+
+def write_final_drafter(run: Run) -> None:
+    """RUN/drafter, written then renamed; a failure (a full disk) says which checkpoint holds the same weights."""
+    try:
+        with atomic_folder(run.run_dir / "drafter") as tmp:
+            run.accelerator.unwrap_model(run.step_module).save_pretrained(tmp)
+    except Exception as e:
+        last = checkpoint_dirs(run.run_dir)[-1]
+        raise SpecdraftError(
+            f"could not write the final drafter to {run.run_dir / 'drafter'} ({getattr(e, 'strerror', None) or e}). "
+            f"The last checkpoint {last} holds the same weights: free space (about "
+            f"{describe_bytes(sum(f.stat().st_size for f in (last / 'drafter').rglob('*') if f.is_file()))}) and run "
+            "`specdraft train RECIPE --resume`, which writes it, or export that checkpoint directly."
+        ) from e
 
 
 def eval_target(recipe: Recipe, target: FrozenTarget) -> FrozenTarget:

@@ -1,12 +1,11 @@
 """The parts the training loop (``specdraft.train``) is assembled from, none of which knows a family:
-where a run stands, its folder rules, the accelerator's DeepSpeed arguments, the optimizer's groups
-and schedule, signals, and metrics reduced across processes."""
+where a run stands (its folder rules are ``specdraft.run_folder``), the accelerator's DeepSpeed
+arguments, the optimizer's groups and schedule, signals, and metrics reduced across processes."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import checkpoint_dirs
 from .config import Recipe
 from .errors import SpecdraftError
 
@@ -27,26 +25,6 @@ class RunState:
     epoch: int = 0
     batches_in_epoch: int = 0  # micro-batches this process consumed in the current epoch
     tokens: int = 0
-
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Never clobber a run: an existing non-empty folder needs --resume or --overwrite."""
-    if resume:
-        if not checkpoint_dirs(run_dir):
-            raise SpecdraftError(f"--resume: no checkpoint in {run_dir}/checkpoints; start without --resume")
-        return
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not overwrite:
-        raise SpecdraftError(
-            f"run folder {run_dir} already exists; pass --resume to continue it, --overwrite to replace it, "
-            "or set checkpoint.output_dir to a new folder"
-        )
-
-
-def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, is_main: bool) -> None:
-    """``check_run_dir``, then (main process) clear the folder --overwrite replaces."""
-    check_run_dir(run_dir, resume, overwrite)
-    if not resume and overwrite and is_main and run_dir.is_dir() and any(run_dir.iterdir()):
-        shutil.rmtree(run_dir)
 
 
 def ddp_arguments(family) -> dict:

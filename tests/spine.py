@@ -52,12 +52,13 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None = None, timeout: int = 300):
+def run_cli(args: list[str], env: dict | None = None, launcher: list[str] | None = None, timeout: int = 300,
+            cwd: Path | None = None):
     """Run the specdraft CLI (with the probe family) in a fresh process, one torch thread per process:
     two shared cores run several of these at once, and the tests compare runs launched alike."""
     full_env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = (launcher or [sys.executable]) + [str(TESTS / "run_probe_train.py"), *args]
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def free_port() -> int:

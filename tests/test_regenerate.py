@@ -7,7 +7,7 @@ from tiny import save_tiny_target, tiny_llama, tiny_tokenizer
 
 from specdraft.data import regenerate as regen
 from specdraft.data.chat import render
-from specdraft.data.regenerate import generate_batch, read_done, regenerate
+from specdraft.data.regenerate import generate_batch, read_done, regenerate, sidecar_of
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation.suites import load_suite
 
@@ -112,9 +112,11 @@ def test_resume_after_a_kill_mid_write(tmp_path, model, tokenizer, with_ids):
     lines = expected.splitlines(keepends=True)
     assert len(lines) == 5
 
-    # Killed while writing the 4th record: 3 whole lines and half of the next.
+    # Killed while writing the 4th record: 3 whole lines and half of the next (and the sidecar that says
+    # regenerate writes this file, as the killed run left it).
     partial = tmp_path / "partial.jsonl"
     partial.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    sidecar_of(partial).write_text(sidecar_of(full).read_text())
     assert len(read_done(partial)) == 3
     assert partial.read_text() == "".join(lines[:3])  # the partial line was cut off
     assert regenerate(model, tokenizer, data, partial, max_new_tokens=MAX_NEW, batch_size=2) == 2

@@ -139,9 +139,14 @@ def _content_text(content) -> str:
     raise SpecdraftError(f"message content must be a string or a list of text parts, got {type(content).__name__}.")
 
 
-def to_messages(record: dict, fmt: str) -> list[dict]:
-    """One chat record as ``[{"role", "content"}]`` (``fmt`` is sharegpt, messages or turns)."""
+def to_messages(record: dict, fmt: str, answers_may_be_missing: bool = False) -> list[dict]:
+    """One chat record as ``[{"role", "content"}]`` (``fmt`` is sharegpt, messages or turns).
+
+    A message whose content is null is refused (training would read it as an empty message), except an
+    assistant's when ``answers_may_be_missing``: ``specdraft regenerate`` writes those."""
     if fmt == "turns":
+        if any(turn is None for turn in record["turns"]):
+            raise SpecdraftError("a turn is null; give every turn its text, or drop the record")
         return [{"role": "user", "content": _content_text(turn)} for turn in record["turns"]]
     messages = []
     # Both keys are accepted in both formats: many "ShareGPT" dumps actually use role/content.
@@ -154,6 +159,10 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
                 "Rename it in the data (e.g. to 'user' or 'assistant')."
             )
         content = turn["content"] if turn.get("content") is not None else turn.get("value")
+        if content is None and not (role == "assistant" and answers_may_be_missing):
+            raise SpecdraftError(
+                f"a {role} message has no content (null); give it its text, or drop the record"
+                + (" (or run `specdraft regenerate` to write the target's answers)" if role == "assistant" else ""))
         messages.append({"role": role, "content": _content_text(content)})
     return messages
 
@@ -184,10 +193,14 @@ def normalize(dataset: datasets.Dataset, fmt: str, text_field: str = "text", num
         def convert(record):
             return {"text": _content_text(record[text_field])}
     else:
-        def convert(record):
-            return {"messages": to_messages(record, fmt)}
+        def convert(record, index):
+            try:
+                return {"messages": to_messages(record, fmt)}
+            except SpecdraftError as e:
+                raise SpecdraftError(f"data record {index} (counting from 0): {e}") from e
     return dataset.map(
         convert,
+        with_indices=fmt != "text",
         remove_columns=dataset.column_names,
         num_proc=num_proc if num_proc > 1 else None,
         desc=f"reading {fmt} records",

@@ -10,13 +10,23 @@ Output is JSONL in the input's format (ShareGPT stays ShareGPT, messages stay
 messages, turns become messages), every other field kept. It is resumable: records
 are appended one complete line at a time with a flush, so a kill leaves at most a
 partial last line, which the next run cuts off before skipping what is done.
+
+Resuming never touches a file specdraft cannot prove is its own: beside OUT, OUT.specdraft.json
+records that ``specdraft regenerate`` writes it, with the settings and the target's weights. An
+existing OUT without it is refused (``--overwrite`` replaces it), as are other settings, and OUT
+equal to the input. A record counts as done only if its prompt matches (each prompt's turns are
+fingerprinted, not only its id), and a lock on OUT keeps two runs from appending to it at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
 import logging
+import math
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -60,8 +70,62 @@ def id_field_of(records: list[dict]) -> str | None:
     return None
 
 
+SIDECAR_SUFFIX = ".specdraft.json"
+
+
+def sidecar_of(output_path: Path) -> Path:
+    """OUT.specdraft.json: the record that OUT is regenerate's output, and with which settings."""
+    return output_path.with_name(output_path.name + SIDECAR_SUFFIX)
+
+
+def prompt_key(record: dict, fmt: str, id_field: str | None) -> str:
+    """What identifies a record's prompt: its id (if the data has one) and every message regenerate keeps
+    (the user's turns, a system prompt, an opening greeting), hashed. An input record and the output
+    record regenerate wrote for it have the same key."""
+    kept = [(m["role"], m["content"]) for m in dialogue_with_open_slots(record, fmt)]
+    digest = hashlib.sha256(json.dumps(kept, ensure_ascii=False).encode()).hexdigest()[:16]
+    return json.dumps([record.get(id_field) if id_field else None, digest])
+
+
+def check_settings(output_path: Path, settings: dict) -> None:
+    """An existing OUT is resumed only if regenerate wrote it (its sidecar), with these settings."""
+    sidecar = sidecar_of(output_path)
+    if not sidecar.is_file():
+        raise SpecdraftError(
+            f"--out {output_path} exists and was not written by specdraft regenerate (no {sidecar.name} beside it), "
+            "so it is left as it is. Choose another --out, or pass --overwrite to replace it.")
+    try:
+        recorded = json.loads(sidecar.read_text())["settings"]
+    except (ValueError, KeyError, OSError) as e:
+        raise SpecdraftError(f"{sidecar} is damaged ({e}); pass --overwrite to start {output_path} again") from e
+    changed = [f"{key} {recorded.get(key)!r} -> {value!r}" for key, value in settings.items()
+               if recorded.get(key) != value]
+    if changed:
+        raise SpecdraftError(
+            f"--out {output_path} was written with other settings ({'; '.join(changed)}): resuming would mix two "
+            "kinds of answers. Use the same settings, choose another --out, or pass --overwrite to replace it.")
+
+
+def check_arguments(temperature: float, max_new_tokens: int, batch_size: int, max_samples: int | None) -> None:
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise SpecdraftError(f"--temperature must be a number >= 0 (0 = greedy), got {temperature}")
+    for name, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
+                        ("--max-samples", max_samples)):
+        if value is not None and value < 1:
+            raise SpecdraftError(f"{name} must be >= 1, got {value}")
+
+
+def check_paths(input_path: str | Path, output_path: Path) -> None:
+    if Path(input_path).exists() and output_path.exists() and output_path.samefile(input_path):
+        raise SpecdraftError(f"--out {output_path} is the --data file itself: regenerate would write answers into its "
+                             "own prompts. Choose another --out.")
+    if output_path.is_dir():
+        raise SpecdraftError(f"--out {output_path} is a folder; give a file path (e.g. {output_path}/answers.jsonl)")
+
+
 def read_done(output_path: Path) -> list[dict]:
-    """Records already written; a partial last line (a kill mid-write) is cut from the file."""
+    """Records already written; a partial last line (a kill mid-write) is cut from the file (call it only
+    on a file regenerate wrote: ``check_settings``)."""
     if not output_path.exists():
         return []
     data = output_path.read_bytes()
@@ -159,7 +223,7 @@ def dialogue_with_open_slots(record: dict, fmt: str) -> list[dict]:
         for turn in to_messages(record, fmt):
             messages += [turn, {"role": "assistant", "content": None}]
         return messages
-    messages = to_messages(record, fmt)
+    messages = to_messages(record, fmt, answers_may_be_missing=True)
     for j, m in enumerate(messages):
         if m["role"] == "assistant" and j > 0:  # an opening greeting has no prompt: keep it
             m["content"] = None
@@ -179,8 +243,17 @@ def regenerate(
     chat_template: str | None = None,
     data_format: str = "auto",
     seed: int = 0,
+    overwrite: bool = False,
 ) -> int:
-    """Regenerate ``input_path`` into ``output_path`` (JSONL, appended); returns records written now."""
+    """Regenerate ``input_path`` into ``output_path`` (JSONL, appended); returns records written now.
+
+    An existing ``output_path`` is resumed if regenerate wrote it with the same settings, replaced if
+    ``overwrite``, and refused otherwise (see the module docstring)."""
+    from ..features import weights_fingerprint
+
+    output_path = Path(output_path)
+    check_arguments(temperature, max_new_tokens, batch_size, max_samples)
+    check_paths(input_path, output_path)
     records = read_records(input_path)[:max_samples]
     if not records:
         raise SpecdraftError(f"{input_path} has no records. Point --data at a non-empty file.")
@@ -188,28 +261,67 @@ def regenerate(
     if fmt == "text":
         raise SpecdraftError(f"{input_path} is plain text; regenerate needs chat data (sharegpt, messages or turns).")
     template = resolve_chat_template(tokenizer, chat_template)
-    output_path = Path(output_path)
+    settings = {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed, "format": fmt,
+                "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
+                "target_weights": weights_fingerprint(model)[:16]}
+    id_field = id_field_of(records)
+    keys = [prompt_key(r, fmt, id_field) for r in records]  # before anything is written: a bad record stops here
     output_path.parent.mkdir(parents=True, exist_ok=True)
 
-    id_field = id_field_of(records)
-    done = read_done(output_path)
-    if id_field is None:
-        done_keys = set(range(len(done)))  # written in input order, so line i is record i
-    else:
-        done_keys = {json.dumps(r.get(id_field)) for r in done}
-    todo = [
-        (i, r) for i, r in enumerate(records)
-        if (i if id_field is None else json.dumps(r[id_field])) not in done_keys
-    ]
+    with open(output_path, "a", encoding="utf-8") as out:
+        try:  # one writer per file: two runs appending to one OUT would interleave their answers
+            fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise SpecdraftError(f"another specdraft regenerate is writing {output_path}; wait for it to finish, or "
+                                 "choose another --out") from e
+        if overwrite:
+            out.truncate(0)
+        elif output_path.stat().st_size:
+            check_settings(output_path, settings)
+        sidecar = sidecar_of(output_path)
+        tmp = sidecar.with_name(sidecar.name + ".tmp")
+        tmp.write_text(json.dumps({"written_by": "specdraft regenerate", "data": str(Path(input_path).resolve()),
+                                   "target": str(getattr(model.config, "_name_or_path", "")),
+                                   "settings": settings}, indent=2) + "\n")
+        tmp.replace(sidecar)
+        todo = _not_done(records, keys, read_done(output_path), fmt, id_field, output_path)
+        return _answer(model, tokenizer, template, fmt, records, todo, out, batch_size, temperature, max_new_tokens,
+                       seed)
+
+
+def _not_done(records: list[dict], keys: list[str], done: list[dict], fmt: str, id_field: str | None,
+              output_path: Path) -> list[tuple[int, dict]]:
+    """The records with no answer in ``done``, matched by prompt key (an id alone could name another prompt)."""
+    out_fmt = "messages" if fmt == "turns" else fmt
+    written = Counter(prompt_key(r, out_fmt, id_field) for r in done)
+    if id_field is not None:
+        ids = {json.loads(key)[0]: key for key in keys}
+        clashes = [json.loads(key)[0] for key in written if json.loads(key)[0] in ids and key not in ids.values()]
+        if clashes:
+            raise SpecdraftError(
+                f"{output_path} answers other prompts under the same {id_field} as --data (e.g. {clashes[0]!r}: its "
+                "turns differ), so it was written from another prompts file. Choose another --out, or pass "
+                "--overwrite to answer these prompts afresh.")
+    todo = []
+    for i, (record, key) in enumerate(zip(records, keys)):
+        if written[key]:
+            written[key] -= 1
+        else:
+            todo.append((i, record))
+    extra = sum(written.values())
+    if extra:
+        logger.warning("%s holds %d answers to prompts that are not in the data; they are kept", output_path, extra)
     if done:
         logger.warning("resuming: %d of %d records already in %s", len(records) - len(todo), len(records), output_path)
+    return todo
 
+
+def _answer(model, tokenizer, template: str, fmt: str, records: list[dict], todo: list[tuple[int, dict]], out,
+            batch_size: int, temperature: float, max_new_tokens: int, seed: int) -> int:
     if temperature > 0:
         torch.manual_seed(seed)
     model.eval()
-    with open(output_path, "a", encoding="utf-8") as out, tqdm(
-        total=len(records), initial=len(records) - len(todo), desc="regenerating", unit="record"
-    ) as progress:
+    with tqdm(total=len(records), initial=len(records) - len(todo), desc="regenerating", unit="record") as progress:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             dialogues = [dialogue_with_open_slots(r, fmt) for _, r in chunk]
@@ -231,7 +343,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True,
                         help="target model: local folder, hub id, 'toy' or a named target (smollm2-135m-instruct)")
     parser.add_argument("--data", required=True, help="dialogues or prompts: .jsonl/.json/.parquet, folder or hub id")
-    parser.add_argument("--out", required=True, help="output JSONL (appended to; an existing file is resumed)")
+    parser.add_argument("--out", required=True,
+                        help="output JSONL (appended to; an earlier regenerate's output with the same settings is "
+                             "resumed)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out instead of resuming it")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="per answer")
     parser.add_argument("--batch-size", type=int, default=8, help="dialogues generated together")
@@ -249,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..target import resolve_dtype, resolve_target_path
 
+    check_arguments(args.temperature, args.max_new_tokens, args.batch_size, args.max_samples)
+    check_paths(args.data, Path(args.out))  # before the target loads
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     path = resolve_target_path(args.target, dtype)
@@ -274,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         data_format=args.format,
         seed=args.seed,
+        overwrite=args.overwrite,
     )
     print(f"wrote {written} records to {args.out}")
     return 0

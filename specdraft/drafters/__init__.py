@@ -11,8 +11,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from safetensors import SafetensorError
+
+from ..checkpoint import damaged_drafter_message
 from ..contract import Drafter, Family, TargetNeeds
 from ..errors import SpecdraftError
+from ..target_fingerprint import check_target
 
 FAMILIES: dict[str, Family] = {}
 
@@ -52,15 +56,24 @@ def declared_needs(family: Family, cfg, target_config, taps: list[int] | str = "
     return replace(needs, taps=tuple(taps))
 
 
-def load_drafter(path: str | Path, target) -> Drafter:
+def load_drafter(path: str | Path, target, allow_other_target: bool = False) -> Drafter:
     """Load a drafter saved with ``save_pretrained`` (a folder with config.json + model.safetensors);
-    the target then computes what it needs (``FrozenTarget.require``)."""
+    the target then computes what it needs (``FrozenTarget.require``). A drafter that recorded another
+    target (``specdraft.target_fingerprint``) is refused unless ``allow_other_target``."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise SpecdraftError(f"{path} is not a saved drafter (no config.json); point at a run's drafter folder")
-    family = json.loads(config_file.read_text()).get("family")
-    drafter = get_family(family).load(path, target)
+    try:
+        saved = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise SpecdraftError(damaged_drafter_message(config_file, e)) from e
+    check_target(saved, target.embed_tokens.weight, path, target.config._name_or_path or "this target",
+                 allow_other_target)
+    try:
+        drafter = get_family(saved.get("family")).load(path, target)
+    except (SafetensorError, OSError) as e:  # a truncated or unreadable weights file
+        raise SpecdraftError(damaged_drafter_message(path / "model.safetensors", e)) from e
     target.require(drafter.needs)
     return drafter
 

@@ -24,7 +24,8 @@ Parameter names are SGLang's, so export is a copy: ``fc``, ``midlayer.*``, ``nor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -93,6 +94,11 @@ def eagle3_needs(cfg: Eagle3Config, target_config) -> TargetNeeds:
     """Three tapped layers, and the target's logits at the draft vocabulary's rows only (all rows when
     the draft vocabulary is the target's)."""
     reduced = cfg.uses_reduced_vocab(target_config.vocab_size)
+    default = next(f.default for f in fields(Eagle3Config) if f.name == "draft_vocab_size")  # 32000, or all
+    if cfg.draft_vocab_size not in (None, default) and cfg.draft_vocab_size > target_config.vocab_size:
+        warnings.warn(f"drafter.draft_vocab_size {cfg.draft_vocab_size} is above the target's vocabulary of "
+                      f"{target_config.vocab_size} tokens: drafting over the whole vocabulary "
+                      f"({target_config.vocab_size}); set draft_vocab_size: null to say so", stacklevel=2)
     return TargetNeeds(logits="draft_rows" if reduced else "full",
                        taps=eagle3_default_taps(target_config.num_hidden_layers))
 

@@ -9,6 +9,9 @@ are the CLI.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -20,11 +23,13 @@ from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
 from specdraft.decoding.speculative import DecodeOutput, TreeDrafting, plain_decode, speculative_decode
 from specdraft.decoding.trees import NAMED_TREES, parse_tree
+from specdraft.config import MAX_DRAFTS_PER_STEP
 from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
+from specdraft.target_fingerprint import check_target
 
 PLAIN = "plain"
 
@@ -61,6 +66,7 @@ def evaluate(
         )
     if PLAIN in sources:
         raise SpecdraftError(f"{PLAIN!r} names the plain-decoding baseline, which always runs; rename that source.")
+    check_decoding_sizes(k, max_new_tokens)
     prompts = _as_prompts(prompts, num_prompts)
     methods = {PLAIN: None, **{name: _instantiate(s) for name, s in sources.items()}}
     device = target.device
@@ -79,7 +85,7 @@ def evaluate(
         return speculative_decode(target, source, prompt_ids, k=drafts_per_step(source), lenience=lenience,
                                   typical_acceptance=typical_acceptance, **common)  # fmt: skip
 
-    _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens)
+    _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens, max_new_tokens)
     if batch_size < 1 or (batch_size > 1 and (lenience < 1.0 or typical_acceptance)):
         raise SpecdraftError(f"batch_size must be >= 1 (got {batch_size}), and batches verify exactly: drop "
                              "--lenience / --typical-acceptance, or decode with --batch-size 1")
@@ -217,12 +223,18 @@ def _as_prompts(prompts, num_prompts) -> list[Prompt]:
     return loaded
 
 
-def _check_prompt_lengths(target, tokenizer, prompts: list[Prompt], prefix_tokens: int) -> None:
-    """Fail before decoding anything if a first turn does not fit the target's context."""
+def _check_prompt_lengths(target, tokenizer, prompts: list[Prompt], prefix_tokens: int, max_new_tokens: int) -> None:
+    """Fail before decoding anything if a first turn does not fit the target's context, and say once when
+    ``max_new_tokens`` does not fit after the longest one (decodes then stop at the context's end)."""
     context = getattr(target.config, "max_position_embeddings", None)
     if context is None:
         return
     lengths = [(p, len(prompt_token_ids(tokenizer, p, prefix_tokens=prefix_tokens))) for p in prompts]
+    longest = max(n for _, n in lengths)
+    if longest < context <= longest + max_new_tokens:
+        warnings.warn(f"max_new_tokens {max_new_tokens} does not fit the target's context of {context} tokens after "
+                      f"the longest prompt ({longest} tokens): its decodes stop at the context's end, after "
+                      f"{context - longest} new tokens (later turns, whose context is longer, sooner).", stacklevel=3)
     too_long = [(p, n) for p, n in lengths if n >= context]
     if too_long:
         listed = ", ".join(f"{p.suite}/{p.id} ({n} tokens)" for p, n in too_long[:5])
@@ -312,6 +324,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (on a busy CPU, 1 avoids oversubscription stalls)")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--allow-other-target", action="store_true",
+                        help="evaluate a drafter on a target other than the one it was trained for (same shapes, "
+                             "other weights), which is refused otherwise")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -322,8 +337,13 @@ def run(args: argparse.Namespace) -> int:
     from specdraft.target import FrozenTarget, resolve_dtype, resolve_target_path
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.k < 1:
-        raise SpecdraftError(f"-k must be >= 1, got {args.k}; 4-8 drafts per step is typical.")
+    check_decoding_sizes(args.k, args.max_new_tokens, "-k", "--max-new-tokens")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--batch-size", args.batch_size),
+                        ("--prefix-tokens", args.prefix_tokens), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise SpecdraftError(f"{flag} must be >= 1, got {value}")
+    if args.out:  # before anything runs: an eval whose report cannot be written is time thrown away
+        check_writable_folder(Path(args.out), "--out")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -343,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.drafter:
         # Each loaded drafter declares what it reads, and the target computes that from then on.
         name = _unique_name(sources, drafter_name(path))
-        drafters[name] = load_drafter(path, target).eval()
+        drafters[name] = load_drafter(path, target, args.allow_other_target).eval()
         sources[name] = drafters[name].draft_source(target)
         for method, source in tree_methods(name, drafters[name], target, args.tree).items():
             sources[_unique_name(sources, method)] = source
@@ -356,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
             "stay)."
         )
     for path in args.draft_model:
+        saved = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").is_file() else {}
+        check_target(saved, target.embed_tokens.weight, path, args.target, args.allow_other_target)
         draft_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.dtype),
                                                      trust_remote_code=args.trust_remote_code).to(device)  # fmt: skip
@@ -392,6 +414,31 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwrote {', '.join(result['files'].values())}")
     return 0
+
+
+def check_decoding_sizes(k: int, max_new_tokens: int, k_name: str = "k",
+                         max_new_tokens_name: str = "max_new_tokens") -> None:
+    """Drafts per step and new tokens per decode within their ranges (the CLI's and the recipe's ``eval:``)."""
+    if not 1 <= k <= MAX_DRAFTS_PER_STEP:
+        raise SpecdraftError(f"{k_name} must be between 1 and {MAX_DRAFTS_PER_STEP}, got {k}; "
+                             "4-8 drafts per step is typical.")
+    if max_new_tokens < 1:
+        raise SpecdraftError(f"{max_new_tokens_name} must be >= 1, got {max_new_tokens}")
+
+
+def check_writable_folder(folder: Path, name: str) -> None:
+    """``folder`` can hold the report: it is a folder (or can be made one) that this process can write."""
+    if folder.exists() and not folder.is_dir():
+        raise SpecdraftError(f"{name} {folder} is a file; give a folder for the report (result.json, report.md, "
+                             "plots), e.g. {name} reports/eval")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SpecdraftError(f"{name} {folder} cannot be written ({e.strerror or e}); choose a folder you can "
+                             "write to") from e
 
 
 def drafter_name(path) -> str:

@@ -1,0 +1,256 @@
+"""Nothing lost: what ``--overwrite``, ``--resume`` and a full disk must never do to the user's files.
+
+The folder rules run through the real CLI (a fresh process, in a temporary working directory holding
+sentinel files), and each test checks the sentinels and the old run survive byte for byte.
+"""
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import probe_family  # noqa: F401  (registers the "probe" family)
+import pytest
+import torch
+import yaml
+
+from specdraft import checkpoint as ckpt_module
+from specdraft import train as train_module
+from specdraft.checkpoint import checkpoint_dirs
+from specdraft.config import parse_recipe
+from specdraft.errors import SpecdraftError
+from specdraft.run_folder import aside_path
+from specdraft.train import train
+from spine import make_chat_data, make_recipe, read_metrics, run_cli, write_recipe
+from tiny import save_tiny_target
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder``, by relative path: what must come out of a refused command unchanged."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny target, chat data and one finished 3-step probe run, built once."""
+    root = tmp_path_factory.mktemp("nothing-lost")
+    target = save_tiny_target(root / "target")
+    data = make_chat_data(root / "chat.jsonl", n=16)
+    raw = make_recipe(root, target, data, training={"max_steps": 3})
+    train(parse_recipe(raw), show_progress=False)
+    return root, raw
+
+
+@pytest.fixture
+def old_run(built, tmp_path):
+    """A copy of the finished run in this test's folder, and its recipe pointing there."""
+    root, raw = built
+    shutil.copytree(root / "run", tmp_path / "run")
+    raw = json.loads(json.dumps(raw))
+    raw["checkpoint"]["output_dir"] = str(tmp_path / "run")
+    return tmp_path / "run", raw
+
+
+def cli_train(tmp_path: Path, raw: dict, *flags, cwd: Path | None = None, env: dict | None = None):
+    recipe = write_recipe(tmp_path / "recipe.yaml", raw)
+    return run_cli(["train", str(recipe), "--no-progress", *flags], cwd=cwd or tmp_path, env=env)
+
+
+def assert_refused(out, message: str) -> None:
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert message in out.stderr, out.stderr[-3000:]
+
+
+# -- --overwrite refuses what it must never replace ----------------------------------------------------
+
+
+def test_overwrite_of_the_working_directory_is_refused_and_deletes_nothing(built, tmp_path):
+    _, raw = built
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("a user's file")
+    shutil.copy(raw["data"]["path"], work / "chat.jsonl")
+    before = snapshot(work)
+    raw = {**raw, "data": {**raw["data"], "path": "chat.jsonl"}, "checkpoint": {**raw["checkpoint"], "output_dir": "."}}
+    assert_refused(cli_train(tmp_path, raw, "--overwrite", cwd=work), "which is the working directory")
+    assert snapshot(work) == before
+
+
+def test_overwrite_of_a_folder_holding_the_data_and_another_run_is_refused(built, old_run, tmp_path):
+    run_dir, raw = old_run
+    data = run_dir / "chat.jsonl"  # the data lives inside the folder --overwrite would replace
+    shutil.copy(raw["data"]["path"], data)
+    raw["data"]["path"] = str(data)
+    before = snapshot(run_dir)
+    assert_refused(cli_train(tmp_path, raw, "--overwrite"), "holds this run's own input data.path")
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("kind", ["not-a-run", "home", "foreign-file"])
+def test_overwrite_replaces_only_a_run_folder(old_run, tmp_path, kind):
+    run_dir, raw = old_run
+    env = None
+    if kind == "not-a-run":
+        target = tmp_path / "photos"
+        target.mkdir()
+        (target / "holiday.jpg").write_bytes(b"\xff\xd8 pixels")
+        message = "is not a specdraft run folder"
+    elif kind == "home":
+        target = tmp_path / "home"
+        target.mkdir()
+        (target / ".bashrc").write_text("export PATH")
+        env = {"HOME": str(target)}
+        message = "your home folder"
+    else:
+        target = run_dir
+        (target / "notes.txt").write_text("what I learned from this run")
+        message = "holds files specdraft did not write (notes.txt)"
+    raw["checkpoint"]["output_dir"] = str(target)
+    before = snapshot(target)
+    assert_refused(cli_train(tmp_path, raw, "--overwrite", env=env), message)
+    assert snapshot(target) == before
+
+
+def test_overwrite_with_broken_data_keeps_the_old_run(old_run, tmp_path):
+    """The data fails to parse only once the target has loaded: the old run must still be whole."""
+    run_dir, raw = old_run
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]}\n')
+    raw["data"]["path"] = str(broken)
+    before = snapshot(run_dir)
+    out = cli_train(tmp_path, raw, "--overwrite")
+    assert_refused(out, "data record 0 (counting from 0): a assistant message has no content (null)")
+    assert snapshot(run_dir) == before
+    assert not aside_path(run_dir).exists()
+
+
+def test_a_new_run_that_fails_before_its_first_checkpoint_gives_the_old_one_back(old_run, tmp_path):
+    run_dir, raw = old_run
+    before = snapshot(run_dir)
+    raw["checkpoint"]["save_every"] = 100
+    out = cli_train(tmp_path, raw, "--overwrite", env={"PROBE_NAN_AT_CALL": "3"})
+    assert_refused(out, "loss is nan")
+    assert "the run it was replacing is back" in out.stdout + out.stderr
+    assert snapshot(run_dir) == before and not aside_path(run_dir).exists()
+
+
+def test_overwrite_replaces_the_old_run_once_the_new_one_has_a_checkpoint(old_run, tmp_path):
+    run_dir, raw = old_run
+    old_weights = (checkpoint_dirs(run_dir)[-1] / "drafter" / "model.safetensors").read_bytes()
+    raw["training"]["max_steps"] = 2
+    raw["checkpoint"]["save_every"] = 1
+    out = cli_train(tmp_path, raw, "--overwrite")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-0000001", "step-0000002"]
+    assert (checkpoint_dirs(run_dir)[-1] / "drafter" / "model.safetensors").read_bytes() != old_weights
+    assert not aside_path(run_dir).exists()
+
+
+def test_a_kill_before_the_new_runs_first_checkpoint_loses_nothing(old_run, tmp_path):
+    """kill -9 between the rename aside and the first checkpoint: the next start puts the old run back."""
+    run_dir, raw = old_run
+    before = snapshot(run_dir)
+    raw["checkpoint"]["save_every"] = 100
+    killed = cli_train(tmp_path, raw, "--overwrite", env={"PROBE_KILL_AT_CALL": "1"})
+    assert killed.returncode == -9
+    assert aside_path(run_dir).is_dir() and not checkpoint_dirs(run_dir)  # the state a kill leaves
+    again = cli_train(tmp_path, raw)  # no flag: it restores, then says the run exists
+    assert_refused(again, "already exists; pass --resume")
+    assert "restored" in again.stdout
+    assert snapshot(run_dir) == before and not aside_path(run_dir).exists()
+
+
+# -- --resume refuses edits that change what is trained --------------------------------------------------
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["optimizer"].update(lr=5e-3), "optimizer.lr: 0.01 -> 0.005"),
+    (lambda raw: raw["drafter"].update(draft_vocab_size=7), "drafter.draft_vocab_size: None -> 7"),
+    (lambda raw: raw["training"].update(max_steps=2), "training.max_steps: 3 -> 2"),
+    (lambda raw: raw["training"].update(seed=5), "training.seed: 0 -> 5"),
+], ids=["lr", "shape", "max-steps-shrinks", "seed"])
+def test_resume_refuses_recipe_edits_that_change_what_is_trained(old_run, monkeypatch, edit, message):
+    run_dir, raw = old_run
+    edit(raw)
+    before = snapshot(run_dir)
+    monkeypatch.setattr(train_module, "load_target", lambda *a, **k: pytest.fail("loaded before refusing"))
+    with pytest.raises(SpecdraftError, match="--resume: the recipe differs") as error:
+        train(parse_recipe(raw), resume=True, show_progress=False)
+    assert message in str(error.value)
+    assert snapshot(run_dir) == before  # recipe.yaml still records what was trained
+
+
+def test_resume_applies_and_records_the_changes_it_may_make(old_run):
+    run_dir, raw = old_run
+    raw["training"].update(max_steps=5, log_every=2)
+    train(parse_recipe(raw), resume=True, show_progress=False)
+    (event,) = [m for m in read_metrics(run_dir) if m.get("event") == "resumed"]
+    assert event["changed"] == {"training.max_steps": [3, 5], "training.log_every": [1, 2]}
+    assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["training"]["max_steps"] == 5
+    assert checkpoint_dirs(run_dir)[-1].name == "step-0000005"
+
+
+def test_resume_refuses_data_whose_content_changed(built, tmp_path):
+    root, raw = built
+    data = shutil.copy(raw["data"]["path"], tmp_path / "chat.jsonl")
+    raw = make_recipe(tmp_path, raw["target"]["path"], data, training={"max_steps": 3})
+    train(parse_recipe(raw), show_progress=False)
+    data.write_text(data.read_text().replace("fox", "cat"))  # same path, other content
+    with pytest.raises(SpecdraftError, match=r"data.path \(.*chat.jsonl\) no longer holds the data"):
+        train(parse_recipe(raw), resume=True, show_progress=False)
+
+
+# -- a full disk --------------------------------------------------------------------------------------
+
+
+def torch_save_failing_at(step_name: str):
+    real_save = torch.save
+
+    def failing_save(obj, path, *a, **k):
+        if step_name in str(path) and str(path).endswith("scheduler.pt"):
+            # what torch.save raises on ENOSPC: a RuntimeError, not an OSError
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 448: "
+                               "PytorchStreamWriter failed writing file data/0: file write failed")
+        return real_save(obj, path, *a, **k)
+
+    return failing_save
+
+
+def test_a_full_disk_inside_torch_save_leaves_no_temporary_folder(built, tmp_path, monkeypatch):
+    _, raw = built
+    raw = make_recipe(tmp_path, raw["target"]["path"], raw["data"]["path"], training={"max_steps": 6})
+    monkeypatch.setattr(ckpt_module.torch, "save", torch_save_failing_at("step-0000006"))
+    with pytest.raises(SpecdraftError, match=r"step-0000003 is intact\. A checkpoint needs about [\d.]+ KiB"):
+        train(parse_recipe(raw), show_progress=False)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-0000003"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_checkpoint_is_refused_before_writing_when_the_disk_is_too_full(built, tmp_path, monkeypatch):
+    _, raw = built
+    raw = make_recipe(tmp_path, raw["target"]["path"], raw["data"]["path"], training={"max_steps": 3})
+    written = []
+    monkeypatch.setattr(ckpt_module.torch, "save", lambda obj, path, *a, **k: written.append(path))
+    monkeypatch.setattr(ckpt_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 100))
+    with pytest.raises(SpecdraftError, match="No space left on device: 100 B free.*no earlier checkpoint"):
+        train(parse_recipe(raw), show_progress=False)
+    assert written == [] and not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_full_disk_writing_the_final_drafter_names_the_checkpoint_and_resume_finishes(built, tmp_path, monkeypatch):
+    _, raw = built
+    raw = make_recipe(tmp_path, raw["target"]["path"], raw["data"]["path"], training={"max_steps": 3})
+    real = train_module.atomic_folder
+
+    def full_disk(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train_module, "atomic_folder", full_disk)
+    with pytest.raises(SpecdraftError, match=r"could not write the final drafter .*step-0000003 holds the same "
+                                             r"weights.*--resume"):
+        train(parse_recipe(raw), show_progress=False)
+    monkeypatch.setattr(train_module, "atomic_folder", real)
+    train(parse_recipe(raw), resume=True, show_progress=False)
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes() == \
+        (checkpoint_dirs(tmp_path / "run")[-1] / "drafter" / "model.safetensors").read_bytes()
