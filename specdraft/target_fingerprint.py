@@ -3,12 +3,13 @@
 Two models of the same architecture have the same shapes, so shapes alone let a drafter be exported
 with, or evaluated on, another target. The training loop records a probe of the target's token
 embedding (64 values spread over the matrix) in the drafter's ``config.json`` under
-``target_fingerprint``; export and eval compare it with the target they are given, and refuse another
+``target_embedding_probe``; export and eval compare it with the target they are given, and refuse another
 one unless told ``--allow-other-target``. The embedding is what an export ships and what every
 drafter reads, and it can be read alone from a checkpoint without loading the model. Values are
 compared to 1% (a target loaded in another dtype, bf16 for training and float32 for the eval, is
 the same target); another model's embedding differs by its whole scale. A drafter saved before
-targets were recorded has no probe and is not checked.
+targets were recorded has no probe and is not checked. (Medusa's heads also record a hash of the
+whole target, which they check on load: ``specdraft.drafters.medusa.target_fingerprint``.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from .errors import SpecdraftError
 
-FINGERPRINT_KEY = "target_fingerprint"
+FINGERPRINT_KEY = "target_embedding_probe"
 PROBE_VALUES = 64
 
 

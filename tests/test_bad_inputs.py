@@ -343,6 +343,6 @@ def test_eval_out_is_checked_before_the_eval_runs(world, tmp_path, monkeypatch, 
 def test_a_drafter_records_the_target_it_trained_for(world):
     config = json.loads((world["run"] / "drafter" / "config.json").read_text())
     embedding = FrozenTarget.from_pretrained(str(world["target"]), dtype="float32").embed_tokens.weight
-    assert config["target_fingerprint"]["shape"] == list(embedding.shape)
-    assert torch.allclose(torch.tensor(config["target_fingerprint"]["values"]), embedding.reshape(-1)[
+    assert config["target_embedding_probe"]["shape"] == list(embedding.shape)
+    assert torch.allclose(torch.tensor(config["target_embedding_probe"]["values"]), embedding.reshape(-1)[
         torch.linspace(0, embedding.numel() - 1, 64).long()])

@@ -416,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_decoding_sizes(k: int, max_new_tokens: int, k_name: str = "k",
+def check_decoding_sizes(k: int, max_new_tokens: int, k_name: str = "k (drafts per step)",
                          max_new_tokens_name: str = "max_new_tokens") -> None:
     """Drafts per step and new tokens per decode within their ranges (the CLI's and the recipe's ``eval:``)."""
     if not 1 <= k <= MAX_DRAFTS_PER_STEP:
