@@ -98,6 +98,8 @@ BAD_INPUTS = {
                              "--resume and --overwrite contradict each other"),
     "output-dir-is-a-file": (lambda w, t: ["train", recipe_with(w, t, checkpoint={"output_dir": str(w["data"])})],
                              "is a file; give a folder path"),
+    # cache-features: nowhere to write
+    "cache-features-no-folder": (lambda w, t: ["cache-features", recipe_with(w, t)], "set training.feature_cache"),
     # regenerate: refused before the target loads
     "regenerate-temperature": (lambda w, t: ["regenerate", "--target", "nowhere", "--data", str(w["data"]),
                                              "--out", str(t / "o.jsonl"), "--temperature", "-2"],
