@@ -335,6 +335,17 @@ def _check_values(r: Recipe) -> None:
                       stacklevel=3)
 
 
+def flatten(config: dict, prefix: str = "") -> dict:
+    """``{"optimizer": {"lr": 1e-4}}`` -> ``{"optimizer.lr": 1e-4}``: a recipe dict by dotted key."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():

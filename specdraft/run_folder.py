@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from .checkpoint import checkpoint_dirs
+from .config import flatten
 from .errors import SpecdraftError
 
 # What the loop writes in a run folder (besides the trackers' folders, see run_entries).
@@ -221,16 +222,6 @@ def checkpoint_recipe(run_dir: Path, ckpt: Path) -> dict | None:
     return state.get("recipe") or saved_recipe(run_dir)
 
 
-def _flat(config: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def resume_changes(recipe, run_dir: Path) -> list[tuple[str, object, object]]:
     """The fields this recipe changes against the newest checkpoint's, as (key, was, now); raises,
     naming them, if any would make the resumed run differ from the one the checkpoint belongs to."""
@@ -239,8 +230,8 @@ def resume_changes(recipe, run_dir: Path) -> list[tuple[str, object, object]]:
     if saved is None:
         return []
     # Compared as YAML writes them, so 1e-3 and 0.001, or a tuple and a list, are the same value.
-    was = _flat(yaml.safe_load(yaml.safe_dump(saved, sort_keys=False)))
-    now = _flat(yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False)))
+    was = flatten(yaml.safe_load(yaml.safe_dump(saved, sort_keys=False)))
+    now = flatten(yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False)))
     # checkpoint.output_dir is not compared: a run folder may be moved or copied, and resumed where it is.
     changes = [(key, was.get(key), now.get(key)) for key in dict.fromkeys([*was, *now])
                if was.get(key) != now.get(key) and key != "checkpoint.output_dir"]

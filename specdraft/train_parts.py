@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import Recipe
+from .config import Recipe, flatten
 from .errors import SpecdraftError
 
 
@@ -130,15 +130,10 @@ class StopRequested:
             signal.signal(sig, old)
 
 
-def flat_config(config: dict, prefix: str = "") -> dict:
+def flat_config(config: dict) -> dict:
     """``{"optimizer.lr": 1e-4, ...}``: trackers (tensorboard hparams) want flat scalars."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return flat
+    return {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+            for key, value in flatten(config).items()}
 
 
 def mean_over_batches(history: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
