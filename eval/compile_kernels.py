@@ -3,8 +3,8 @@
     TRITON_INTERPRET=0 python eval/compile_kernels.py            # sm_80 and sm_90, a table
     TRITON_INTERPRET=0 python eval/compile_kernels.py --json F   # and the rows as JSON
 
-No GPU is needed: triton's wheel ships ptxas (sm_80) and ptxas-blackwell (sm_90, which triton picks
-for arch >= 90 itself). The interpreter accepts what a GPU build may refuse, so this is the check that
+No GPU is needed: triton's wheel ships ptxas (triton 3.9 builds sm_90 with its ptxas-blackwell, 3.6 with
+ptxas; it picks the right one itself). The interpreter accepts what a GPU build may refuse, so this is the check that
 the kernels really build. The signatures are not written by hand: each launcher
 (``rejection_sample``, ``tree_sample``) runs on CPU tensors with its kernels replaced by recorders,
 for fp32, bf16 and fp16 probabilities, with and without draft probs, at V = 100 (one chunk),
@@ -102,9 +102,9 @@ def specialize(kernel, args: tuple, kwargs: dict, arch: int) -> dict:
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    kwargs = {**kwargs, "debug": kernel.debug or knobs.runtime.debug,  # as JITFunction.run adds them
-              "instrumentation_mode": knobs.compilation.instrumentation_mode,
-              "fpsan_homomorphic_casts": knobs.compilation.fpsan_homomorphic_casts}  # fmt: skip
+    # JITFunction.run adds `debug` (and, depending on the triton version, other knobs whose defaults are the
+    # options' own defaults) before binding.
+    kwargs = {**kwargs, "debug": kernel.debug or knobs.runtime.debug}
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
@@ -121,6 +121,7 @@ def compile_spec(spec: dict):
 
     log = io.StringIO()
     knobs.nvidia.dump_ptxas_log = True  # ptxas -v (registers, stack, spills) goes to stdout
+    knobs.compilation.always_compile = True  # a cached binary would skip ptxas, and its report
     with contextlib.redirect_stdout(log):
         source = ASTSource(spec["kernel"], spec["signature"], spec["constexprs"], spec["attrs"])
         compiled = triton.compile(source, target=spec["target"], options=spec["options"].__dict__)
