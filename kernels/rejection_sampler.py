@@ -73,20 +73,36 @@ def _argmax_range(row_ptr, lo, hi, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _chunk(w_row_ptr, e_row_ptr, chunk_start, hi, BLOCK_V: tl.constexpr):
+    """One chunk of a race: (offsets, in range, w in float32, e); outside the range w = 0 and e = 1."""
+    offsets = chunk_start + tl.arange(0, BLOCK_V)
+    in_range = offsets < hi
+    w = tl.load(w_row_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+    return offsets, in_range, w, tl.load(e_row_ptr + offsets, mask=in_range, other=1.0)
+
+
+@triton.jit
+def _scores(w, e, in_range):
+    """w / e as the race scores it, -1 outside the range (every real score is >= 0). div_rn: IEEE
+    round-to-nearest division, so the GPU equals torch's `/` bit for bit (a plain `/` lowers to the
+    approximate div.full.f32 on NVIDIA)."""
+    return tl.where(in_range, tl.div_rn(w, e), -1.0)
+
+
+@triton.jit
+def _no_race():
+    """(best score, its id) before any chunk: below every real score."""
+    return tl.full([], -1.0, tl.float32), tl.full([], 0, tl.int32)
+
+
+@triton.jit
 def _race_over(w_row_ptr, e_row_ptr, lo, hi, BLOCK_V: tl.constexpr):
     """(best score, its id) of the exponential race argmax_x w(x) / e_x over x in [lo, hi), w >= 0:
     a draw from norm(w). Ties -> lowest id; the score is 0 when w is all zero, -1 for an empty range."""
-    best_score = tl.full([], -1.0, tl.float32)  # every real score is >= 0
-    best_idx = tl.full([], 0, tl.int32)
+    best_score, best_idx = _no_race()
     for chunk_start in range(lo, hi, BLOCK_V):
-        offsets = chunk_start + tl.arange(0, BLOCK_V)
-        in_range = offsets < hi
-        w = tl.load(w_row_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
-        e = tl.load(e_row_ptr + offsets, mask=in_range, other=1.0)
-        # div_rn: IEEE round-to-nearest division, so the GPU result equals torch's `/` bit for bit
-        # (a plain `/` lowers to the approximate div.full.f32 on NVIDIA).
-        best_score, best_idx = _keep_best(best_score, best_idx, tl.where(in_range, tl.div_rn(w, e), -1.0),
-                                          chunk_start)
+        offsets, in_range, w, e = _chunk(w_row_ptr, e_row_ptr, chunk_start, hi, BLOCK_V)
+        best_score, best_idx = _keep_best(best_score, best_idx, _scores(w, e, in_range), chunk_start)
     return best_score, best_idx
 
 
@@ -95,24 +111,17 @@ def _residual_race(p_row_ptr, q_row_ptr, draft_token, e_row_ptr, lo, hi, NO_DRAF
                    BLOCK_V: tl.constexpr):
     """Over x in [lo, hi): the race over the residual max(0, p - q) and the race over p (the fallback
     when the whole residual is zero), in one pass. Returns (score, id, fallback score, fallback id)."""
-    best_score = tl.full([], -1.0, tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
-    fallback_score = tl.full([], -1.0, tl.float32)
-    fallback_idx = tl.full([], 0, tl.int32)
+    best_score, best_idx = _no_race()
+    fallback_score, fallback_idx = _no_race()
     for chunk_start in range(lo, hi, BLOCK_V):
-        offsets = chunk_start + tl.arange(0, BLOCK_V)
-        in_range = offsets < hi
-        p = tl.load(p_row_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+        offsets, in_range, p, e = _chunk(p_row_ptr, e_row_ptr, chunk_start, hi, BLOCK_V)
         if NO_DRAFT_PROBS:
             q = tl.where(offsets == draft_token, 1.0, 0.0)  # one-hot q of a deterministic draft
         else:
             q = tl.load(q_row_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
-        e = tl.load(e_row_ptr + offsets, mask=in_range, other=1.0)
-        best_score, best_idx = _keep_best(best_score, best_idx,
-                                          tl.where(in_range, tl.div_rn(tl.maximum(p - q, 0.0), e), -1.0),
+        best_score, best_idx = _keep_best(best_score, best_idx, _scores(tl.maximum(p - q, 0.0), e, in_range),
                                           chunk_start)  # fmt: skip
-        fallback_score, fallback_idx = _keep_best(fallback_score, fallback_idx,
-                                                  tl.where(in_range, tl.div_rn(p, e), -1.0), chunk_start)
+        fallback_score, fallback_idx = _keep_best(fallback_score, fallback_idx, _scores(p, e, in_range), chunk_start)
     return best_score, best_idx, fallback_score, fallback_idx
 
 
@@ -128,6 +137,13 @@ def _combine_splits(val_ptr, idx_ptr, slot, num_splits, count, BLOCK_S: tl.const
         vals = tl.load(val_ptr + base + offsets, mask=offsets < count, other=float("-inf"))
         best_val, best_split = _keep_best(best_val, best_split, vals, s0)
     return best_val, tl.load(idx_ptr + base + best_split)
+
+
+@triton.jit
+def _row_span(cu_ptr, row):
+    """(first flat index, count) of a row's drafts or nodes, from their inclusive cumsum."""
+    start = tl.load(cu_ptr + row - 1, mask=row > 0, other=0)
+    return start, tl.load(cu_ptr + row) - start
 
 
 @triton.jit
@@ -185,8 +201,7 @@ def rejection_partials_kernel(
     row = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.num_programs(0)
-    start = tl.load(cu_num_draft_tokens_ptr + row - 1, mask=row > 0, other=0)
-    num_drafts = tl.load(cu_num_draft_tokens_ptr + row) - start
+    start, num_drafts = _row_span(cu_num_draft_tokens_ptr, row)
     lo = split * split_size
     hi = tl.minimum(lo + split_size, vocab_size)
     if tl.load(greedy_ptr + row):
@@ -234,8 +249,7 @@ def rejection_combine_kernel(
 ):
     row = tl.program_id(0)
     batch = tl.num_programs(0)
-    start = tl.load(cu_num_draft_tokens_ptr + row - 1, mask=row > 0, other=0)
-    num_drafts = tl.load(cu_num_draft_tokens_ptr + row) - start
+    start, num_drafts = _row_span(cu_num_draft_tokens_ptr, row)
     extra = tl.load(bonus_token_ids_ptr + row)  # the bonus, unless a draft is rejected
     if tl.load(greedy_ptr + row):
         num_accepted = tl.zeros([], tl.int64)

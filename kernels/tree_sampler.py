@@ -48,9 +48,13 @@ from specdraft.kernels.rejection_sampler import (
     BLOCK_S,
     NUM_WARPS,
     _argmax_range,
+    _chunk,
     _combine_splits,
     _keep_best,
+    _no_race,
     _race_over,
+    _row_span,
+    _scores,
     _write_row,
     check_block_v,
     vocab_splits,
@@ -85,48 +89,73 @@ def _subtract_draft(r_row_ptr, q_row_ptr, mass, out_row_ptr, vocab_size, mass_sc
 
 
 @triton.jit
-def _store_path_node(output_row_ptr, accepted_row_ptr, num_accepted, token, node):
-    tl.store(output_row_ptr + num_accepted, token)
-    tl.store(accepted_row_ptr + num_accepted, node)
-
-
-@triton.jit
-def _walk_one_hot(node_token_ids_ptr, node_parents_ptr, target_probs_ptr, uniforms_ptr, start, num_nodes, root_row,
-                  vocab_size, max_depth, output_row_ptr, accepted_row_ptr, write_path):  # fmt: skip
-    """A random row's walk with deterministic drafts (q one-hot), scalar work only. Returns
-    (num_accepted, p row of the final node, the final node, [lo, hi): the node indices holding its
-    rejected children, whose tokens the residual has zeroed). ``write_path``: store the accepted path."""
+def _walk(node_token_ids_ptr, node_parents_ptr, draft_probs_ptr, target_probs_ptr, uniforms_ptr, scratch_row_ptr,
+          start, num_nodes, root_row, vocab_size, max_depth, mass_scale, mass_unit, output_row_ptr, accepted_row_ptr,
+          write_path, NO_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """A random row's walk: one pass over its nodes in index order (no `break`; children come after their
+    parent). ``write_path``: store the accepted path. Returns (num_accepted, p row of the final node, the final
+    node, then where its residual r is):
+      * NO_DRAFT_PROBS: [lo, hi), the node indices holding its rejected children, whose tokens r has zeroed
+        (r is p(current) otherwise; scalar work only, so any number of programs may replay it);
+      * draft probs: whether r is in the scratch, and which of its two rows (one program per row).
+    """
     current = tl.full([], -1, tl.int64)
     p_row = root_row
     mass = tl.full([], 1.0, tl.float32)
     num_accepted = tl.zeros([], tl.int64)
     zeroed_lo = tl.zeros([], tl.int64)
     zeroed_hi = tl.zeros([], tl.int64)
-    for j in range(num_nodes):  # one pass in index order (no `break`): children come after their parent
+    in_scratch = False  # False: r is p(current), read from target_probs
+    buffer = tl.zeros([], tl.int64)
+    for j in range(num_nodes):
         node = start + j
         local = node - start  # j as an int64 tensor (under the interpreter j is a Python int)
         if (tl.load(node_parents_ptr + node) == current) & (num_accepted < max_depth):
             x = tl.load(node_token_ids_ptr + node)
-            r_x = tl.load(target_probs_ptr + p_row * vocab_size + x).to(tl.float32)
-            # A sibling with the token of an already rejected one (only an unchecked tree has them) sees r(x) = 0.
-            for k in range(zeroed_lo, zeroed_hi):
-                if (tl.load(node_parents_ptr + start + k) == current) & (tl.load(node_token_ids_ptr + start + k) == x):
-                    r_x = 0.0
-            accept = tl.load(uniforms_ptr + node) * (mass * 1.0) < r_x  # q(x) = 1, as the reference multiplies
+            if NO_DRAFT_PROBS:
+                q_x = 1.0  # as the reference multiplies by its one-hot q(x)
+                r_x = tl.load(target_probs_ptr + p_row * vocab_size + x).to(tl.float32)
+                # A sibling with the token of a rejected one (only an unchecked tree has them) sees r(x) = 0.
+                for k in range(zeroed_lo, zeroed_hi):
+                    if (tl.load(node_parents_ptr + start + k) == current) & \
+                            (tl.load(node_token_ids_ptr + start + k) == x):  # fmt: skip
+                        r_x = 0.0
+            else:
+                q_x = tl.load(draft_probs_ptr + node * vocab_size + x).to(tl.float32)
+                if in_scratch:
+                    r_x = tl.load(scratch_row_ptr + buffer * vocab_size + x)
+                else:
+                    r_x = tl.load(target_probs_ptr + p_row * vocab_size + x).to(tl.float32)
+            accept = tl.load(uniforms_ptr + node) * (mass * q_x) < r_x
             if accept:
                 if write_path:
-                    _store_path_node(output_row_ptr, accepted_row_ptr, num_accepted, x, local)
+                    tl.store(output_row_ptr + num_accepted, x)
+                    tl.store(accepted_row_ptr + num_accepted, local)
                 num_accepted += 1
                 current = local
                 p_row = root_row + 1 + local
                 mass = 1.0
                 zeroed_lo = zeroed_hi  # an empty range: no rejected child at the new node yet
-            else:  # r(x) := 0, m := max(0, m - r(x))
+                in_scratch = False
+            elif NO_DRAFT_PROBS:  # r(x) := 0, m := max(0, m - r(x))
                 mass = tl.maximum(mass - r_x, 0.0)
                 if zeroed_hi == zeroed_lo:
                     zeroed_lo = local
                 zeroed_hi = local + 1
-    return num_accepted, p_row, current, zeroed_lo, zeroed_hi
+            else:  # r := max(0, r - m q) into the other scratch row, m := sum r
+                tl.debug_barrier()  # no lane still reads the row this pass overwrites
+                q_row_ptr = draft_probs_ptr + node * vocab_size
+                out_row_ptr = scratch_row_ptr + (1 - buffer) * vocab_size
+                if in_scratch:
+                    mass = _subtract_draft(scratch_row_ptr + buffer * vocab_size, q_row_ptr, mass, out_row_ptr,
+                                           vocab_size, mass_scale, mass_unit, BLOCK_V)  # fmt: skip
+                else:
+                    mass = _subtract_draft(target_probs_ptr + p_row * vocab_size, q_row_ptr, mass, out_row_ptr,
+                                           vocab_size, mass_scale, mass_unit, BLOCK_V)  # fmt: skip
+                tl.debug_barrier()  # every lane sees the new residual
+                buffer = 1 - buffer
+                in_scratch = True
+    return num_accepted, p_row, current, zeroed_lo, zeroed_hi, in_scratch, buffer
 
 
 @triton.jit
@@ -134,16 +163,11 @@ def _one_hot_residual_race(p_row_ptr, e_row_ptr, lo, hi, node_token_ids_ptr, nod
                            zeroed_lo, zeroed_hi, BLOCK_V: tl.constexpr):  # fmt: skip
     """Over x in [lo, hi): the race over r = p with the current node's rejected children's tokens zeroed,
     and over p (the fallback). Returns (score, id, fallback score, fallback id)."""
-    best_score = tl.full([], -1.0, tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
-    fallback_score = tl.full([], -1.0, tl.float32)
-    fallback_idx = tl.full([], 0, tl.int32)
+    best_score, best_idx = _no_race()
+    fallback_score, fallback_idx = _no_race()
     for chunk_start in range(lo, hi, BLOCK_V):
-        offsets = chunk_start + tl.arange(0, BLOCK_V)
-        in_range = offsets < hi
-        p = tl.load(p_row_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
-        e = tl.load(e_row_ptr + offsets, mask=in_range, other=1.0)
-        score = tl.where(in_range, tl.div_rn(p, e), -1.0)  # div_rn: IEEE division, as torch's `/`
+        offsets, in_range, p, e = _chunk(p_row_ptr, e_row_ptr, chunk_start, hi, BLOCK_V)
+        score = _scores(p, e, in_range)
         fallback_score, fallback_idx = _keep_best(fallback_score, fallback_idx, score, chunk_start)
         for k in range(zeroed_lo, zeroed_hi):  # r(x) = 0 there: score 0 / e_x = 0
             zeroed = tl.load(node_parents_ptr + start + k) == current
@@ -182,8 +206,7 @@ def tree_partials_kernel(
     row = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.num_programs(0)
-    start = tl.load(cu_num_nodes_ptr + row - 1, mask=row > 0, other=0)
-    num_nodes = tl.load(cu_num_nodes_ptr + row) - start
+    start, num_nodes = _row_span(cu_num_nodes_ptr, row)
     root_row = start + row  # int64: target_probs row of the root; node j's p is at root_row + 1 + j
     output_row_ptr = output_ptr + row.to(tl.int64) * output_stride
     accepted_row_ptr = accepted_nodes_ptr + row.to(tl.int64) * accepted_stride
@@ -198,10 +221,11 @@ def tree_partials_kernel(
             slot = (2 * batch + root_row + j) * num_splits + split
             tl.store(partial_val_ptr + slot, val)
             tl.store(partial_idx_ptr + slot, idx)
-    elif NO_DRAFT_PROBS:
-        num_accepted, p_row, current, zeroed_lo, zeroed_hi = _walk_one_hot(
-            node_token_ids_ptr, node_parents_ptr, target_probs_ptr, uniforms_ptr, start, num_nodes, root_row,
-            vocab_size, max_depth, output_row_ptr, accepted_row_ptr, split == 0,
+    elif NO_DRAFT_PROBS:  # every split replays the scalar walk; split 0 records the path
+        num_accepted, p_row, current, zeroed_lo, zeroed_hi, _, _ = _walk(
+            node_token_ids_ptr, node_parents_ptr, draft_probs_ptr, target_probs_ptr, uniforms_ptr, scratch_ptr, start,
+            num_nodes, root_row, vocab_size, max_depth, mass_scale, mass_unit, output_row_ptr, accepted_row_ptr,
+            split == 0, NO_DRAFT_PROBS, BLOCK_V,
         )  # fmt: skip
         if split == 0:
             tl.store(num_accepted_ptr + row, num_accepted)
@@ -213,48 +237,13 @@ def tree_partials_kernel(
         tl.store(partial_idx_ptr + race_slot, idx)
         tl.store(partial_val_ptr + race_slot + num_splits, fallback_score)
         tl.store(partial_idx_ptr + race_slot + num_splits, fallback_idx)
-    elif split == 0:
-        # Draft probs: one program walks the row. The residual r lives in scratch row `buffer` (0 or 1) once
-        # in_scratch; right after an acceptance r is p(current), read from target_probs directly.
+    elif split == 0:  # draft probs: one program walks the row, the residual in its two scratch rows
         scratch_row_ptr = scratch_ptr + row.to(tl.int64) * 2 * vocab_size
-        current = tl.full([], -1, tl.int64)
-        p_row = root_row
-        mass = tl.full([], 1.0, tl.float32)
-        in_scratch = False
-        buffer = tl.zeros([], tl.int64)
-        num_accepted = tl.zeros([], tl.int64)
-        for j in range(num_nodes):
-            node = start + j
-            local = node - start
-            if (tl.load(node_parents_ptr + node) == current) & (num_accepted < max_depth):
-                x = tl.load(node_token_ids_ptr + node)
-                if in_scratch:
-                    r_x = tl.load(scratch_row_ptr + buffer * vocab_size + x)
-                else:
-                    r_x = tl.load(target_probs_ptr + p_row * vocab_size + x).to(tl.float32)
-                q_row_ptr = draft_probs_ptr + node * vocab_size
-                q_x = tl.load(q_row_ptr + x).to(tl.float32)
-                accept = tl.load(uniforms_ptr + node) * (mass * q_x) < r_x
-                if not accept:
-                    # r := max(0, r - m q) into the other scratch row, m := sum r
-                    tl.debug_barrier()  # no lane still reads the row this pass overwrites
-                    out_row_ptr = scratch_row_ptr + (1 - buffer) * vocab_size
-                    if in_scratch:
-                        mass = _subtract_draft(scratch_row_ptr + buffer * vocab_size, q_row_ptr, mass, out_row_ptr,
-                                               vocab_size, mass_scale, mass_unit, BLOCK_V)  # fmt: skip
-                    else:
-                        mass = _subtract_draft(target_probs_ptr + p_row * vocab_size, q_row_ptr, mass, out_row_ptr,
-                                               vocab_size, mass_scale, mass_unit, BLOCK_V)  # fmt: skip
-                    tl.debug_barrier()  # every lane sees the new residual
-                    buffer = 1 - buffer
-                    in_scratch = True
-                if accept:
-                    _store_path_node(output_row_ptr, accepted_row_ptr, num_accepted, x, local)
-                    num_accepted += 1
-                    current = local
-                    p_row = root_row + 1 + local
-                    mass = 1.0
-                    in_scratch = False
+        num_accepted, p_row, _, _, _, in_scratch, buffer = _walk(
+            node_token_ids_ptr, node_parents_ptr, draft_probs_ptr, target_probs_ptr, uniforms_ptr, scratch_row_ptr,
+            start, num_nodes, root_row, vocab_size, max_depth, mass_scale, mass_unit, output_row_ptr,
+            accepted_row_ptr, True, NO_DRAFT_PROBS, BLOCK_V,
+        )  # fmt: skip
         tl.store(num_accepted_ptr + row, num_accepted)
         p_row_ptr = target_probs_ptr + p_row * vocab_size
         if in_scratch:
@@ -290,8 +279,7 @@ def tree_combine_kernel(
 ):
     row = tl.program_id(0)
     batch = tl.num_programs(0)
-    start = tl.load(cu_num_nodes_ptr + row - 1, mask=row > 0, other=0)
-    num_nodes = tl.load(cu_num_nodes_ptr + row) - start
+    start, num_nodes = _row_span(cu_num_nodes_ptr, row)
     root_row = start + row
     output_row_ptr = output_ptr + row.to(tl.int64) * output_stride
     accepted_row_ptr = accepted_nodes_ptr + row.to(tl.int64) * accepted_stride
@@ -306,7 +294,8 @@ def tree_combine_kernel(
             if (tl.load(node_parents_ptr + node) == current) & (num_accepted < max_depth):
                 x = tl.load(node_token_ids_ptr + node)
                 if x == p_argmax:
-                    _store_path_node(output_row_ptr, accepted_row_ptr, num_accepted, x, local)
+                    tl.store(output_row_ptr + num_accepted, x)
+                    tl.store(accepted_row_ptr + num_accepted, local)
                     num_accepted += 1
                     current = local
                     _, p_argmax = _combine_splits(partial_val_ptr, partial_idx_ptr, 2 * batch + root_row + 1 + local,
@@ -374,15 +363,11 @@ def tree_sample(
     greedy = greedy.contiguous()
     # A [batch, 0] tensor (max_depth 0) is never written; its stride is still a valid int.
     accepted_stride = max(accepted_nodes.stride(0), 1)
+    rows = (output, accepted_nodes, num_accepted, cu_num_nodes, node_token_ids, node_parents)  # both kernels' first
     tree_partials_kernel[(batch, num_splits)](
         partial_val,
         partial_idx,
-        output,
-        accepted_nodes,
-        num_accepted,
-        cu_num_nodes,
-        node_token_ids,
-        node_parents,
+        *rows,
         # Never read without draft probs; any valid pointer of the same kind keeps the signature fixed.
         target_probs if draft_probs is None else draft_probs.contiguous(),
         target_probs,
@@ -404,12 +389,7 @@ def tree_sample(
         enable_fp_fusion=False,  # no a * b + c -> fma contraction: keep torch's float32 rounding
     )
     tree_combine_kernel[(batch,)](
-        output,
-        accepted_nodes,
-        num_accepted,
-        cu_num_nodes,
-        node_token_ids,
-        node_parents,
+        *rows,
         greedy,
         partial_val,
         partial_idx,
