@@ -280,8 +280,8 @@ def rejection_combine_kernel(
 def check_block_v(block_v: int | None, vocab_size: int) -> int:
     """The chunk width: ``block_v`` if valid, else a SpecdraftError naming the valid range; None picks
     min(DEFAULT_BLOCK_V, next_pow2(V)), at least MIN_BLOCK_V."""
-    if block_v is None:
-        return max(MIN_BLOCK_V, min(DEFAULT_BLOCK_V, triton.next_power_of_2(max(vocab_size, 1))))
+    if block_v is None:  # plain int arithmetic: triton.next_power_of_2 costs microseconds per call
+        return max(MIN_BLOCK_V, min(DEFAULT_BLOCK_V, 1 << (max(vocab_size, 1) - 1).bit_length()))
     if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v & (block_v - 1) or not (
             MIN_BLOCK_V <= block_v <= MAX_BLOCK_V):  # fmt: skip
         raise SpecdraftError(
@@ -307,9 +307,9 @@ def vocab_splits(batch: int, vocab_size: int, block_v: int, device: torch.device
             num_splits = max(1, PROGRAMS_PER_SM * _sm_count(device.index or torch.cuda.current_device()) // batch)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise SpecdraftError(f"num_splits must be an int >= 1 (or None for the default), got {num_splits!r}")
-    num_chunks = max(1, triton.cdiv(vocab_size, block_v))
-    chunks_per_split = triton.cdiv(num_chunks, min(num_splits, num_chunks))
-    return triton.cdiv(num_chunks, chunks_per_split), chunks_per_split * block_v
+    num_chunks = max(1, -(-vocab_size // block_v))  # ceiling divisions in plain ints (triton.cdiv is slower)
+    chunks_per_split = -(-num_chunks // min(num_splits, num_chunks))
+    return -(-num_chunks // chunks_per_split), chunks_per_split * block_v
 
 
 def rejection_sample(
