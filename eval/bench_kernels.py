@@ -24,6 +24,9 @@ On a CPU (no CUDA): the kernels run under the Triton interpreter, with the vocab
 programs, against the reference on a reduced grid (batch 1 and 3, V = 300 and 1000, K = 1, 4, 7); timings
 need a GPU and are not taken.
 
+Also reported, on either machine: the host side of one call (batch 1, V = 128256, K = 7) with the kernel
+launches replaced by no-ops, the part of the eager time that no kernel change can remove.
+
 Writes DIR/bench_kernels.md (a Markdown table) and DIR/bench_kernels.json; refuses to replace them
 without --overwrite.
 """
@@ -163,6 +166,44 @@ def graph_median_us(fn, input_sets: list[dict], warmup: int, iters: int) -> floa
     return median_us(lambda graph: graph.replay(), [dict(graph=g) for g in graphs], warmup, iters)
 
 
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def host_us(cuda: bool, iters: int = 2000) -> dict:
+    """Median microseconds of the host side of one verify_triton / verify_tree_triton call (batch 1, V = 128256,
+    K = 7) with the kernel launches replaced by no-ops: argument handling and allocations, the floor under the
+    eager column (Triton's own launch cost comes on top)."""
+    from specdraft.kernels import rejection_sampler, tree_sampler
+
+    kernels = [(rejection_sampler, "rejection_partials_kernel"), (rejection_sampler, "rejection_combine_kernel"),
+               (tree_sampler, "tree_partials_kernel"), (tree_sampler, "tree_combine_kernel")]  # fmt: skip
+    saved = [getattr(module, name) for module, name in kernels]
+    device = "cuda" if cuda else "cpu"
+    cases = {"chain": (verify_triton, chain_inputs(1, 7, 128256, device, 0)),
+             "tree": (verify_tree_triton, tree_inputs(1, 7, 128256, device, 0))}  # fmt: skip
+    try:
+        for module, name in kernels:
+            setattr(module, name, _NoLaunch())
+        out = {}
+        for kind, (fn, inputs) in cases.items():
+            for _ in range(100):
+                fn(**inputs)
+            times = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                fn(**inputs)
+                times.append(time.perf_counter() - start)
+            out[kind] = statistics.median(times) * 1e6
+    finally:
+        for (module, name), kernel in zip(kernels, saved):
+            setattr(module, name, kernel)
+    return out
+
+
 def same_tokens(kind: str, inputs: dict) -> bool:
     """The kernel and the reference emit the same tokens (and accepted nodes) on these inputs."""
     kernel, reference = (verify_triton, verify_reference) if kind == "chain" else (verify_tree_triton,
@@ -272,13 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_grid(grid, cuda, args.warmup, args.iters)
     summary = goals(rows) if cuda else ["timings need a GPU: on this CPU the kernels ran under the Triton "
                                         "interpreter and were checked against the reference only"]  # fmt: skip
+    host = host_us(cuda, iters=200 if args.quick else 2000)
+    summary.append(f"host side of one call at batch 1, V 128256, K 7, kernel launches excluded: chain "
+                   f"{host['chain']:.1f} us, tree {host['tree']:.1f} us ({'this GPU host' if cuda else 'this CPU'})")
     mismatches = [row for row in rows if not row["same_tokens"]]
     summary.append(f"{len(rows) - len(mismatches)} of {len(rows)} cells: kernel tokens == reference tokens")
     text = markdown(rows, f"`python eval/bench_kernels.py --out DIR{' --quick' if args.quick else ''}`\n\n{header}",
                     cuda) + "\n" + "\n".join(f"- {line}" for line in summary) + "\n"  # fmt: skip
     write_atomic(files["md"], text)
-    write_atomic(files["json"], json.dumps({"device": device, "header": header, "rows": rows, "summary": summary,
-                                            "seconds": time.perf_counter() - start}, indent=1))  # fmt: skip
+    write_atomic(files["json"], json.dumps({"device": device, "header": header, "rows": rows, "host_us": host,
+                                            "summary": summary, "seconds": time.perf_counter() - start}, indent=1))
     print(text)
     return 1 if mismatches else 0
 

@@ -20,6 +20,7 @@ def test_quick_run_checks_every_cell_and_writes_its_tables(tmp_path, capsys):
     assert cells == {(kind, b, v, k) for kind in ("chain", "tree") for b in grid["batch"] for v in grid["vocab"]
                      for k in grid["k"]}
     assert all(r["same_tokens"] for r in result["rows"])
+    assert result["host_us"]["chain"] > 0 and result["host_us"]["tree"] > 0
     table = (tmp_path / "bench_kernels.md").read_text()
     assert table.count("\n| chain |") + table.count("\n| tree |") == len(cells)
     if torch.cuda.is_available():
