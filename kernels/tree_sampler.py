@@ -316,7 +316,10 @@ def tree_combine_kernel(
 
 
 def _scratch(batch: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """A [batch, 2, V] float32 scratch: the device's cached one if large enough, else a new one cached."""
+    """A [batch, 2, V] float32 scratch: the device's cached one if large enough, else a new one cached (the
+    old one is freed). Calls on one device share it, so they must not overlap (two streams at once), and a CUDA
+    graph that captured a draft-probs tree verify must not outlive a larger call. Deterministic drafts (every
+    specdraft tree source) never use it."""
     numel = batch * 2 * vocab_size
     cached = _SCRATCH.get(device)
     if cached is None or cached.numel() < numel:
