@@ -111,6 +111,9 @@ class EvalConfig:
     # rounding flips greedy near-ties between a (K+1)-token verify forward and a 1-token one (see
     # specdraft/evaluation/mismatch.py); on GPU, the dtype training used. As `specdraft eval --dtype`.
     dtype: str = "auto"
+    # The verify step: auto = the Triton kernels on CUDA when triton imports, else the pure-torch reference;
+    # triton or reference to force one. As `specdraft eval --verify-backend`.
+    verify_backend: str = "auto"
 
 
 @dataclass
@@ -265,6 +268,8 @@ def parse_recipe(raw: dict) -> Recipe:
 
 
 def _check_values(r: Recipe) -> None:
+    from .decoding.verify import VERIFY_BACKENDS
+
     t = r.training
     if (t.max_steps is None) == (t.epochs is None):
         raise SpecdraftError("set exactly one of 'training.max_steps' and 'training.epochs'")
@@ -273,6 +278,7 @@ def _check_values(r: Recipe) -> None:
         "optimizer.schedule": (r.optimizer.schedule, ("cosine", "linear", "constant")),
         "target.dtype": (r.target.dtype, ("bfloat16", "float16", "float32")),
         "eval.dtype": (r.eval.dtype, ("auto", "bfloat16", "float16", "float32")),
+        "eval.verify_backend": (r.eval.verify_backend, VERIFY_BACKENDS),
         "data.format": (r.data.format, ("auto", "sharegpt", "messages", "turns", "text")),
     }
     for key, (value, allowed) in choices.items():

@@ -536,6 +536,7 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
             target, sources, cfg.prompts, SamplingParams(temperature=temperature), k=cfg.k,
             max_new_tokens=cfg.max_new_tokens, out_dir=out_dir / f"temperature-{temperature:g}",
             num_prompts=cfg.num_prompts, wandb_run=wandb_run, show_progress=show_progress,
+            verify_backend=cfg.verify_backend,
         )
         print(format_table(results[temperature]))
     family_report(recipe.drafter_family, target, drafter, cfg.prompts, cfg.max_new_tokens, out_dir, cfg.num_prompts)

@@ -101,6 +101,52 @@ def test_sampled_rows_follow_the_target():
     assert_all_pass([l1_check("2nd token", tokens[:, 1], p2), l1_check("3rd token", tokens[:, 2], p3)])
 
 
+@pytest.mark.parametrize("kind", ["chain", "tree with draft probs", "tree of deterministic children"])
+def test_the_verify_backend_reaches_every_verify(kind, monkeypatch):
+    """verify_backend="triton" verifies with the kernels (interpreted on a CPU, compiled on a GPU), one prompt or a
+    batch, and emits the reference backend's tokens from the same draws; "reference" never calls a kernel."""
+    from kernel_device import KERNEL_DEVICE
+    from test_decode_statistics import PROMPT, SAMPLED, draft_lm_models
+    from test_medusa import build as build_medusa
+    from test_trees import SampledChildrenSource
+
+    from specdraft.decoding import tree_verify, verify
+
+    calls = []
+    for module, name in ((verify, "verify_triton"), (tree_verify, "verify_tree_triton")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
+    target, draft = draft_lm_models()  # a 12-token vocabulary and peaked p: drafts are accepted and rejected
+    target = FrozenTarget(target.model.to(KERNEL_DEVICE))
+    tree = StaticTree(((0,), (1,), (0, 0), (1, 0)))
+    source = {"chain": lambda: DraftLMSource(draft.to(KERNEL_DEVICE)),
+              "tree with draft probs": lambda: TreeDrafting(SampledChildrenSource(target.vocab_size, KERNEL_DEVICE), tree),
+              "tree of deterministic children": lambda: TreeDrafting(
+                  build_medusa(target, randomize=False, num_heads=2).to(KERNEL_DEVICE).draft_source(target), tree),
+              }[kind]  # fmt: skip
+    batch = [PROMPT[0].to(KERNEL_DEVICE), torch.tensor([2, 8, 8, 4], device=KERNEL_DEVICE)]
+
+    def decode(backend):
+        """(every output's tokens, every step's accepted count, kernel calls decoding alone and in a batch)"""
+        seeded = dict(params=SAMPLED, max_new_tokens=12, verify_backend=backend)
+        calls.clear()
+        alone = speculative_decode(target, source(), batch[0][None], k=2,
+                                   generator=torch.Generator(KERNEL_DEVICE).manual_seed(0), **seeded)  # fmt: skip
+        alone_calls = len(calls)
+        rows = speculative_decode_batch(target, [source() for _ in batch], batch, k=2,
+                                        generator=torch.Generator(KERNEL_DEVICE).manual_seed(0), **seeded)  # fmt: skip
+        outs = [alone, *rows]
+        return [o.tokens for o in outs], [s.num_accepted for o in outs for s in o.steps], (alone_calls, len(calls) - alone_calls)
+
+    tokens, accepted, kernel_calls = decode("reference")
+    assert kernel_calls == (0, 0)
+    triton_tokens, triton_accepted, kernel_calls = decode("triton")
+    assert (triton_tokens, triton_accepted) == (tokens, accepted) and min(kernel_calls) > 0
+    assert {0, 1} <= set(accepted)  # drafts were rejected and accepted
+    with pytest.raises(SpecdraftError, match="must be one of auto, triton, reference"):
+        speculative_decode_batch(target, None, batch, verify_backend="kernel")
+
+
 def test_bad_batches_are_refused(target):
     long = torch.ones(target.config.max_position_embeddings, dtype=torch.long)
     with pytest.raises(SpecdraftError, match="prompt 1 of the batch.*context"):

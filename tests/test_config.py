@@ -58,6 +58,7 @@ def test_overrides_set_nested_values_with_yaml_types():
         ("optimizer.lr=fast", "'optimizer.lr' must be float"),
         ("drafter.ttt_stesp=3", "unknown key 'drafter.ttt_stesp'; did you mean 'drafter.ttt_steps'"),
         ("training.mixed_precision=bf32", "'training.mixed_precision' must be one of"),
+        ("eval.verify_backend=cuda", "'eval.verify_backend' must be one of auto, triton, reference; got 'cuda'"),
         ("training.mixed_precision=no", "YAML reads no, yes, on and off as booleans, so quote the word"),
         ("training.epochs=2", "exactly one of 'training.max_steps' and 'training.epochs'"),
         ("drafter.family=medusa9", "unknown drafter family 'medusa9'"),

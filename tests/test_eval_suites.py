@@ -177,6 +177,22 @@ def test_evaluate_bad_input(tmp_path, tiny_target):
         eval_run.evaluate(tiny_target, {"draft": small_vocab_draft}, suite, show_progress=False)
 
 
+def test_evaluate_hands_its_verify_backend_to_the_decoders(tmp_path, tiny_target, monkeypatch):
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:3])
+    with pytest.raises(SpecdraftError, match="must be one of auto, triton, reference; got 'gpu'"):
+        eval_run.evaluate(tiny_target, {}, suite, verify_backend="gpu", show_progress=False)
+    seen = []
+    for name in ("speculative_decode", "speculative_decode_batch"):
+        real = getattr(eval_run, name)
+        monkeypatch.setattr(eval_run, name, lambda *a, real=real, **k: seen.append(k["verify_backend"]) or real(*a, **k))
+    for batch_size in (1, 2):
+        result = eval_run.evaluate(tiny_target, {"lookup": PromptLookupSource()}, suite, SamplingParams(temperature=1.0),
+                                   k=2, max_new_tokens=4, verify_backend="reference", batch_size=batch_size,
+                                   show_progress=False)  # fmt: skip
+        assert result["config"]["verify_backend"] == "reference"
+    assert len(seen) >= 2 and set(seen) == {"reference"}
+
+
 # -- CLI --------------------------------------------------------------------------------------
 
 
@@ -228,6 +244,19 @@ def test_cli_bad_input(tmp_path):
     args = cli_args(base + ["--prompts", str(suite), "--num-prompts", "1", "--draft-model", str(other_dir),
                             "--map-draft-vocab"])  # fmt: skip
     assert eval_run.run(args) == 0
+
+
+def test_cli_verify_backend_reaches_evaluate(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):  # argparse lists the choices
+        cli_args(["--target", "toy", "--prompts", "q.jsonl", "--verify-backend", "gpu"])
+    target_dir = save_tiny_target(tmp_path / "target")
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:2])
+    seen = {}
+    real = eval_run.evaluate
+    monkeypatch.setattr(eval_run, "evaluate", lambda *a, **k: seen.update(k) or real(*a, **k))
+    assert eval_run.run(cli_args(["--target", str(target_dir), "--prompts", str(suite), "--dtype", "float32",
+                                  "--max-new-tokens", "4", "--no-progress", "--verify-backend", "reference"])) == 0
+    assert seen["verify_backend"] == "reference"
 
 
 def test_cli_command_is_wired():

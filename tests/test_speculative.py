@@ -198,6 +198,7 @@ def test_budget_capped_by_context():
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(lenience=0.0), "lenience"),
         (dict(lenience=1.5), "lenience"),
+        (dict(verify_backend="cuda"), "verify backend must be one of auto, triton, reference; got 'cuda'"),
     ],
 )
 def test_bad_arguments(target, kwargs, message):

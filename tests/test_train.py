@@ -229,7 +229,7 @@ def test_wandb_offline_and_tensorboard_trackers(tmp_path, target_dir, data, monk
     assert list((tmp_path / "run").rglob("events.out.tfevents.*")), "tensorboard wrote no events"
 
 
-def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path):
+def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path, monkeypatch):
     target = save_tiny_target(tmp_path / "target", num_hidden_layers=8)
     data = make_chat_data(tmp_path / "chat.jsonl", n=32)
     questions = tmp_path / "questions.jsonl"
@@ -240,8 +240,14 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path):
     raw["target"]["taps"] = "eagle3"
     raw["drafter"] = {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 64}
     raw["eval"] = {"enabled": True, "prompts": str(questions), "num_prompts": 2, "k": 3,
-                   "temperatures": [0.0], "max_new_tokens": 8}
+                   "temperatures": [0.0], "max_new_tokens": 8, "verify_backend": "reference"}
+    import specdraft.evaluation.run as eval_run
+
+    backends, real_evaluate = [], eval_run.evaluate
+    monkeypatch.setattr(eval_run, "evaluate", lambda *a, **k: backends.append(k["verify_backend"]) or
+                        real_evaluate(*a, **k))  # fmt: skip
     run_dir = train(parse_recipe(raw), show_progress=False)
+    assert backends == ["reference"]  # eval.verify_backend reached the decoder's evaluate
     result = json.loads(next((run_dir / "eval" / "temperature-0").glob("*.json")).read_text())
     assert set(result["methods"]) == {"plain", "eagle3", "prompt-lookup"}
     assert set(result["methods"]["eagle3"]["by_category"]) == {"a", "b"}

@@ -1,20 +1,18 @@
 """verify_tree: hand-worked trees, the chain case equals the chain verify, the Triton kernel == the
 torch reference token for token, the emitted tokens follow the target, and bad inputs are refused."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from kernel_device import on_kernel_device
 from test_verify_statistics import assert_all_pass, l1, l1_check
 
 from specdraft.decoding import tree_verify
 from specdraft.decoding.sampling import draw_exponentials, draw_uniforms, sample, sample_with_exponentials
-from specdraft.decoding.tree_verify import verify_tree, verify_tree_reference, verify_tree_triton
+from specdraft.decoding.tree_verify import verify_tree, verify_tree_reference
 from specdraft.decoding.verify import verify_reference
 from specdraft.errors import SpecdraftError
 
+verify_tree_triton = on_kernel_device(tree_verify.verify_tree_triton)
 IMPLS = {"reference": verify_tree_reference, "triton": verify_tree_triton}
 
 
@@ -137,8 +135,22 @@ def test_verify_tree_dispatches_to_reference_on_cpu():
 def test_triton_on_cpu_without_the_interpreter_names_the_fix(monkeypatch):
     inputs = make_inputs(seed=1, trees=[[-1]], vocab=8, greedy=[False], with_draft_probs=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(SpecdraftError, match="verify_tree_reference"):
-        verify_tree_triton(*inputs, max_depth=1)
+    for call in (lambda: tree_verify.verify_tree_triton(*inputs, max_depth=1),
+                 lambda: verify_tree(*inputs, max_depth=1, backend="triton")):
+        with pytest.raises(SpecdraftError, match="TRITON_INTERPRET=1.*verify_tree_reference"):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(verify_tree(*inputs, max_depth=1, backend="reference"),
+                                                 verify_tree_reference(*inputs, max_depth=1)))
+
+
+@pytest.mark.parametrize("block_v", [64, 3, 8192, None])
+def test_block_v_outside_the_race_free_range_names_the_range(block_v):
+    inputs = make_inputs(seed=1, trees=[[-1, 0]], vocab=300, greedy=[False], with_draft_probs=True)
+    if block_v is None:  # the default is in range
+        assert verify_tree_triton(*inputs, max_depth=2)[2].shape == (1,)
+        return
+    with pytest.raises(SpecdraftError, match=r"block_v must be a power of two in \[128, 4096\]"):
+        verify_tree_triton(*inputs, max_depth=2, block_v=block_v)
 
 
 # ---------------------------------------------------------------- random trees, kernel == reference
@@ -193,7 +205,7 @@ def make_inputs(seed, trees, vocab, greedy, with_draft_probs, dtype=torch.float3
 
 
 def random_case(seed):
-    """A small batch of mixed trees (0..7 nodes), vocab 37 or 100, greedy and sampled rows."""
+    """A small batch of mixed trees (0..7 nodes), vocab 37 or 300, greedy and sampled rows."""
     g = torch.Generator().manual_seed(1000 + seed)
     kinds = ["chain", "bushy", "any"]
     trees = []
@@ -201,7 +213,7 @@ def random_case(seed):
         n = [0, 1, 7, 5, 3, 6][(seed + 2 * r) % 6]
         trees.append(random_parents(g, kinds[(seed + r) % 3], n))
     greedy = [bool((seed + r) % 3 == 0) for r in range(len(trees))]
-    vocab = [37, 100][seed % 2]
+    vocab = [37, 300][seed % 2]
     return trees, greedy, vocab
 
 
@@ -214,14 +226,17 @@ def depth_of(tree):
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
 def test_kernel_matches_reference_on_random_trees(with_draft_probs):
-    seen = dict(accepted=0, rejected_root=0, deep=0, edge=0, greedy_accepted=0)
+    """50 batches; V = 300 ones over 1 to 3 vocabulary splits (chunks of 128, or 256 in one split)."""
+    seen = dict(accepted=0, rejected_root=0, deep=0, edge=0, greedy_accepted=0, split=0)
     for seed in range(50):
         trees, greedy, vocab = random_case(seed)
         dtype = torch.bfloat16 if seed % 10 == 5 else torch.float32  # half-precision probs: same tokens
         inputs = make_inputs(seed, trees, vocab, greedy, with_draft_probs, dtype=dtype)
         max_depth = max(depth_of(t) for t in trees) + seed % 2  # sometimes a slot of pure padding
         ref = verify_tree_reference(*inputs, max_depth=max_depth)
-        out = verify_tree_triton(*inputs, max_depth=max_depth, block_v=[16, 32, 64][seed % 3])
+        num_splits = [1, 2, 3][seed // 2 % 3]
+        out = verify_tree_triton(*inputs, max_depth=max_depth, block_v=256 if num_splits == 1 else 128,
+                                 num_splits=num_splits)  # fmt: skip
         for name, a, b in zip(("tokens", "accepted_nodes", "num_accepted"), out, ref):
             assert torch.equal(a, b), (seed, name, a, b)
         n = ref[2]
@@ -230,7 +245,43 @@ def test_kernel_matches_reference_on_random_trees(with_draft_probs):
         seen["rejected_root"] += int(((n == 0) & (torch.tensor([len(t) for t in trees]) > 0)).sum())
         seen["deep"] += int((n >= 2).sum())
         seen["edge"] += int(((ref[0] == 0) | (ref[0] == vocab - 1)).sum())
+        seen["split"] += int(vocab > 128 and num_splits > 1)
     assert all(v > 0 for v in seen.values()), seen
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_winners_on_either_side_of_a_split_boundary(greedy):
+    """V = 300 in 3 splits of 128. The final token's argmax (greedy) or race winner (random, after the root's
+    one child is rejected and zeroed) on the first or last id of a split is found, whichever split holds it."""
+    vocab = 300
+    for winner in (0, 127, 128, 255, 256, 299):
+        p = torch.full((2, vocab), 0.5 / (vocab - 1))
+        p[0, winner] = 0.5
+        exps = torch.ones(1, vocab)
+        exps[0, winner] = 0.01
+        child = (winner + 1) % vocab  # never the root's argmax: greedy rejects it too
+        args = (torch.tensor([child]), torch.tensor([-1]), torch.tensor([1]), None, p, torch.tensor([0.99]), exps,
+                torch.tensor([greedy]))
+        expected = [[winner, -1]]
+        assert verify_tree_reference(*args, max_depth=1)[0].tolist() == expected
+        assert verify_tree_triton(*args, max_depth=1, block_v=128, num_splits=3)[0].tolist() == expected, winner
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_duplicate_sibling_of_a_rejected_one_is_rejected_too(num_splits):
+    """Unchecked trees may repeat a token among siblings: once one is rejected, r(x) = 0 for the other, as in
+    the reference (the kernel keeps no residual row for deterministic drafts, so it looks the token up)."""
+    tokens, parents = torch.tensor([5, 5, 7]), torch.tensor([-1, -1, -1])
+    vocab = 300
+    p = torch.full((4, vocab), 0.5 / (vocab - 2))
+    p[:, 5] = p[:, 7] = 0.25
+    exps = torch.ones(1, vocab)
+    exps[0, 299] = 1e-3  # the race's winner lies in the last split
+    args = (tokens, parents, torch.tensor([3]), None, p, torch.tensor([0.99, 0.0, 0.99]), exps, torch.tensor([False]))
+    ref = verify_tree_reference(*args, max_depth=1, check=False)
+    out = verify_tree_triton(*args, max_depth=1, check=False, block_v=128, num_splits=num_splits)
+    assert ref[2].tolist() == [0] and ref[0].tolist() == [[299, -1]]  # u = 0 yet rejected: r(5) = 0
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 def test_kernel_matches_reference_when_unchecked_trees_are_cut_at_max_depth():
@@ -242,39 +293,12 @@ def test_kernel_matches_reference_when_unchecked_trees_are_cut_at_max_depth():
     p[torch.arange(5), tokens[:5]] = 5.0
     inputs = (tokens, parents, cu, q, p, *inputs[5:])
     ref = verify_tree_reference(*inputs, max_depth=2, check=False)
-    out = verify_tree_triton(*inputs, max_depth=2, check=False, block_v=16)
+    out = verify_tree_triton(*inputs, max_depth=2, check=False, block_v=128)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
     assert ref[2][0] == 2 and ref[1][0].tolist() == [0, 1]
 
 
-COMPILE_FOR_CUDA = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from specdraft.kernels.tree_sampler import tree_sample_kernel
-
-types = {"vocab_size": "i32", "max_depth": "i32", "output_stride": "i32", "accepted_stride": "i32",
-         "mass_scale": "fp32", "mass_unit": "fp32", "greedy_ptr": "*i1", "draft_probs_ptr": "*fp32",
-         "target_probs_ptr": "*bf16", "uniforms_ptr": "*fp32", "exponentials_ptr": "*fp32", "scratch_ptr": "*fp32"}
-for no_draft_probs in (False, True):
-    signature = {name: types.get(name, "constexpr" if name.isupper() else "*i64")
-                 for name in tree_sample_kernel.arg_names}
-    source = ASTSource(tree_sample_kernel, signature, constexprs={"NO_DRAFT_PROBS": no_draft_probs, "BLOCK_V": 1024})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 80, 32),
-                            options={"num_warps": 4, "enable_fp_fusion": False})
-    ptx = kernel.asm["ptx"]
-    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, "inexact division"
-    assert "fma.rn.f32" not in ptx, "fused multiply-add changes rounding"
-print("compiled")
-"""
-
-
-def test_kernel_compiles_for_cuda_with_exact_float_math(tmp_path):
-    """The interpreter is lenient; compile the real sm_80 binary (no GPU needed) and check that its
-    float math is the reference's: IEEE division, no FMA contraction."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_CUDA], env=env, capture_output=True, text=True)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+# The compiled (sm_80, sm_90) kernels are checked in tests/test_kernels_compile.py.
 
 
 # ---------------------------------------------------------------- a chain is the chain verify
@@ -422,7 +446,7 @@ def test_kernel_agrees_with_the_reference_on_the_statistical_trees():
         inputs = draft_trees(markov_target(g), kind, g, trials=16)
         inputs = (*inputs[:-1], torch.arange(len(inputs[-1])) % 7 == 3)  # and a few greedy rows
         ref = verify_tree_reference(*inputs, max_depth=3)
-        out = verify_tree_triton(*inputs, max_depth=3, block_v=4)
+        out = verify_tree_triton(*inputs, max_depth=3)
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
         assert int((ref[2] == 0).sum()) > 0 and int((ref[2] >= 2).sum()) > 0
 

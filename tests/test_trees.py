@@ -345,20 +345,20 @@ class SampledChildrenSource(PromptLookupSource):
 
     tree_kinds = ("static",)
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int, device: str = "cpu"):
         super().__init__()
         g = torch.Generator().manual_seed(7)
         logits = torch.randn(3, vocab, generator=g)
         even = torch.arange(vocab) % 2 == 0
         logits[0, ~even] = float("-inf")
         logits[1, even] = float("-inf")
-        self.q = logits.softmax(-1)  # q_even, q_odd, q_all
+        self.q = logits.softmax(-1).to(device)  # q_even, q_odd, q_all
 
     def propose_tree(self, pending, tree, params, generator):
         parents = [-1, -1, 0, 1][: 2 if tree.depth < 2 else 4]
         q = self.q[[0, 1, 2, 2][: len(parents)]]
         tokens = torch.multinomial(q, 1, generator=generator).flatten()
-        return Proposal(tokens[None], q[None], torch.tensor(parents)[None])
+        return Proposal(tokens[None], q[None], torch.tensor(parents, device=q.device)[None])
 
 
 def sampled_tree_scenario(make_source, tree, target, num_runs: int):

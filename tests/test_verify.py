@@ -1,23 +1,25 @@
 """verify: pinned hand-worked cases, and the Triton kernel == the torch reference, token for token."""
 
 import itertools
-import os
-import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+from kernel_device import on_kernel_device
 
+from specdraft.decoding import verify as verify_module
 from specdraft.decoding.verify import (
     expected_acceptance_rate,
     expected_tokens_per_step,
+    resolve_verify_backend,
     typical_acceptance,
     verify,
     verify_reference,
-    verify_triton,
 )
 from specdraft.errors import SpecdraftError
 
+verify_triton = on_kernel_device(verify_module.verify_triton)
 IMPLS = {"reference": verify_reference, "triton": verify_triton}
 
 
@@ -188,31 +190,34 @@ def make_inputs(seed, counts, vocab, mode, with_draft_probs, dtype=torch.float32
 
 
 COUNTS = [[1], [5], [3, 0, 2, 1], [0, 4], [2, 5, 1, 3], [4, 4]]
+# block_v and num_splits vary: V = 257 and 1000 cross chunks (of 128 or 256) and splits (of whole chunks).
 CASES = [
-    (vocab, COUNTS[i % len(COUNTS)], mode, with_q, 0.6 if i % 3 == 0 else 1.0, [8, 32, 64, 128][i % 4])
+    (vocab, COUNTS[i % len(COUNTS)], mode, with_q, 0.6 if i % 3 == 0 else 1.0, [128, 256][i % 2], 1 + i % 3)
     for i, (vocab, mode, with_q) in enumerate(
         itertools.product([7, 100, 257, 1000], ["greedy", "random", "mixed"], [True, False])
     )
 ]
 
 
-@pytest.mark.parametrize("vocab,counts,mode,with_q,lenience,block_v", CASES)
-def test_kernel_matches_reference(vocab, counts, mode, with_q, lenience, block_v):
+@pytest.mark.parametrize("vocab,counts,mode,with_q,lenience,block_v,num_splits", CASES)
+def test_kernel_matches_reference(vocab, counts, mode, with_q, lenience, block_v, num_splits):
     inputs = make_inputs(seed=vocab + len(counts), counts=counts, vocab=vocab, mode=mode, with_draft_probs=with_q)
     max_spec_len = max(counts) + 1  # one slot of pure padding
     ref = verify_reference(*inputs, max_spec_len=max_spec_len, lenience=lenience)
-    out = verify_triton(*inputs, max_spec_len=max_spec_len, lenience=lenience, block_v=block_v)
+    out = verify_triton(*inputs, max_spec_len=max_spec_len, lenience=lenience, block_v=block_v,
+                        num_splits=num_splits)  # fmt: skip
     assert torch.equal(out[0], ref[0]), (out[0], ref[0])
     assert torch.equal(out[1], ref[1])
 
 
 def test_kernel_matches_reference_over_many_draws():
-    """Many seeds of one mixed batch; also checks the draws exercised every branch."""
+    """Many seeds of one mixed batch, over 1 to 3 vocabulary splits; also checks the draws exercised every branch."""
     seen_accept = seen_reject = seen_bonus = seen_edge = 0
     for seed in range(16):
         inputs = make_inputs(seed, counts=[3, 1, 0, 4], vocab=300, mode="mixed", with_draft_probs=seed % 2 == 0)
         ref_out, ref_n = verify_reference(*inputs, max_spec_len=4, lenience=0.8 if seed % 4 == 1 else 1.0)
-        out, n = verify_triton(*inputs, max_spec_len=4, lenience=0.8 if seed % 4 == 1 else 1.0, block_v=64)
+        out, n = verify_triton(*inputs, max_spec_len=4, lenience=0.8 if seed % 4 == 1 else 1.0, block_v=128,
+                               num_splits=1 + seed % 3)  # fmt: skip
         assert torch.equal(out, ref_out) and torch.equal(n, ref_n)
         counts = torch.tensor([3, 1, 0, 4])
         seen_accept += int(n.sum())
@@ -226,22 +231,41 @@ def test_kernel_matches_reference_over_many_draws():
 def test_kernel_matches_reference_for_half_precision_probs(dtype):
     inputs = make_inputs(seed=7, counts=[2, 3, 1], vocab=129, mode="mixed", with_draft_probs=True, dtype=dtype)
     ref = verify_reference(*inputs, max_spec_len=3)
-    out = verify_triton(*inputs, max_spec_len=3, block_v=32)
+    out = verify_triton(*inputs, max_spec_len=3, block_v=128, num_splits=2)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_kernel_ties_across_vocab_chunks_go_to_lowest_id(greedy):
-    # p's maximum (greedy) and the residual race's best score (random) are tied
-    # between id 3 (first BLOCK_V=16 chunk) and id 35 (third chunk); torch.argmax picks 3.
-    vocab = 40
-    p = torch.full((1, vocab), 0.5 / 38)
-    p[0, 3] = p[0, 35] = 0.25
+def test_kernel_ties_across_vocab_chunks_go_to_lowest_id(greedy, num_splits):
+    # p's maximum (greedy) and the residual race's best score (random) are tied between id 3 (first
+    # BLOCK_V=128 chunk) and id 300 (third chunk; with 3 splits, the third split); torch.argmax picks 3.
+    vocab = 330
+    p = torch.full((1, vocab), 0.5 / (vocab - 2))
+    p[0, 3] = p[0, 300] = 0.25
     q = torch.full((1, vocab), 1.0 / vocab)
     args = (torch.tensor([10]), torch.tensor([1]), q, p, torch.tensor([0]), torch.tensor([0.99]),
             torch.ones(1, vocab), torch.tensor([greedy]))
-    for out, n in (verify_reference(*args, max_spec_len=1), verify_triton(*args, max_spec_len=1, block_v=16)):
+    for out, n in (verify_reference(*args, max_spec_len=1),
+                   verify_triton(*args, max_spec_len=1, block_v=128, num_splits=num_splits)):
         assert out.tolist() == [[3, -1]] and n.tolist() == [0]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_winners_on_either_side_of_a_split_boundary(greedy):
+    """V = 300 in 3 splits of 128: [0, 128), [128, 256), [256, 300). The argmax (greedy) or the race's winner
+    (random) on the first or last id of a split is found, whichever split holds it."""
+    vocab = 300
+    for winner in (0, 127, 128, 255, 256, 299):
+        p = torch.full((1, vocab), 0.5 / (vocab - 1))
+        p[0, winner] = 0.5
+        exps = torch.ones(1, vocab)
+        exps[0, winner] = 0.01  # the race too: the winner's score is 50, every other 0.5 / 299 at most
+        args = (torch.tensor([(winner + 1) % vocab]), torch.tensor([1]), None, p, torch.tensor([7]),
+                torch.tensor([0.99]), exps, torch.tensor([greedy]))
+        expected = [[winner, -1]]
+        assert verify_reference(*args, max_spec_len=1)[0].tolist() == expected
+        assert verify_triton(*args, max_spec_len=1, block_v=128, num_splits=3)[0].tolist() == expected, winner
 
 
 @pytest.mark.parametrize("lenience", [1.0, 0.7])
@@ -259,7 +283,7 @@ def test_accept_test_rounds_like_the_reference(lenience):
     p[torch.arange(len(drafts)), drafts] = boundary
     args = (drafts, cu, q, p, bonus, uniforms, exps, greedy)
     ref_out, ref_n = verify_reference(*args, max_spec_len=1, lenience=lenience)
-    out, n = verify_triton(*args, max_spec_len=1, lenience=lenience, block_v=16)
+    out, n = verify_triton(*args, max_spec_len=1, lenience=lenience)
     assert ref_n.sum() == 0
     assert torch.equal(n, ref_n) and torch.equal(out, ref_out)
     # The float64 test really would differ here (so this case has teeth).
@@ -267,34 +291,7 @@ def test_accept_test_rounds_like_the_reference(lenience):
     assert float64_accepts.any()
 
 
-COMPILE_FOR_CUDA = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from specdraft.kernels.rejection_sampler import rejection_sample_kernel
-
-types = {"lenience": "fp32", "vocab_size": "i32", "output_stride": "i32", "greedy_ptr": "*i1",
-         "draft_probs_ptr": "*fp32", "target_probs_ptr": "*bf16", "uniforms_ptr": "*fp32", "exponentials_ptr": "*fp32"}
-for no_draft_probs in (False, True):
-    signature = {name: types.get(name, "constexpr" if name.isupper() else "*i64")
-                 for name in rejection_sample_kernel.arg_names}
-    source = ASTSource(rejection_sample_kernel, signature,
-                       constexprs={"NO_DRAFT_PROBS": no_draft_probs, "BLOCK_V": 1024})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 80, 32),
-                            options={"num_warps": 4, "enable_fp_fusion": False})
-    ptx = kernel.asm["ptx"]
-    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, "inexact division"
-    assert "fma.rn.f32" not in ptx, "fused multiply-add changes rounding"
-print("compiled")
-"""
-
-
-def test_kernel_compiles_for_cuda_with_exact_float_math(tmp_path):
-    """The interpreter is lenient; compile the real sm_80 binary (no GPU needed) and check
-    that its float math is the reference's: IEEE division, no FMA contraction."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_CUDA], env=env, capture_output=True, text=True)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+# The compiled (sm_80, sm_90) kernels are checked in tests/test_kernels_compile.py.
 
 
 # ---------------------------------------------------------------- input errors
@@ -326,6 +323,74 @@ def test_bad_inputs_raise_clear_errors():
             with pytest.raises(SpecdraftError, match=message):
                 impl(**{**ok, **change})
     assert verify_reference(**ok)[0].shape == (2, 3)  # the unchanged inputs are fine
+
+
+@pytest.mark.parametrize("block_v", [64, 96, 1000, 8192, 0, -128, True, 256.0])
+def test_block_v_outside_the_race_free_range_names_the_range(block_v):
+    inputs = make_inputs(seed=0, counts=[2], vocab=300, mode="random", with_draft_probs=True)
+    with pytest.raises(SpecdraftError, match=r"block_v must be a power of two in \[128, 4096\]"):
+        verify_triton(*inputs, max_spec_len=2, block_v=block_v)
+
+
+@pytest.mark.parametrize("num_splits", [0, -1, 1.5])
+def test_bad_num_splits_is_refused(num_splits):
+    inputs = make_inputs(seed=0, counts=[2], vocab=300, mode="random", with_draft_probs=True)
+    with pytest.raises(SpecdraftError, match="num_splits must be an int >= 1"):
+        verify_triton(*inputs, max_spec_len=2, num_splits=num_splits)
+
+
+# ---------------------------------------------------------------- backend choice
+
+
+def test_auto_runs_the_kernel_on_cuda_and_the_reference_elsewhere():
+    assert resolve_verify_backend("auto", "cpu") == "reference"
+    assert resolve_verify_backend("auto", torch.device("cuda", 0)) == "triton"  # triton imports here
+    assert resolve_verify_backend("reference", "cuda") == "reference"
+    assert resolve_verify_backend("triton", "cpu") == "triton"  # TRITON_INTERPRET=1 (tests/conftest.py) on CPU
+
+
+def test_verify_follows_the_backend_it_is_given(monkeypatch):
+    """verify dispatches through resolve_verify_backend: "triton" runs the kernel (interpreted on CPU)."""
+    inputs = make_inputs(seed=5, counts=[3, 2], vocab=300, mode="mixed", with_draft_probs=True)
+    ran = []
+    monkeypatch.setattr(verify_module, "verify_triton", lambda *a, **k: ran.append("triton") or verify_reference(*a, **k))
+    monkeypatch.setattr(verify_module, "verify_reference", lambda *a, **k: ran.append("reference") or
+                        verify_reference(*a, **k))  # fmt: skip
+    for backend in ("triton", "reference", "auto"):
+        verify_module.verify(*inputs, max_spec_len=3, backend=backend)
+    assert ran == ["triton", "reference", "reference"]  # auto on CPU: the reference
+
+
+def test_auto_falls_back_to_the_reference_with_one_warning_when_triton_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.setattr(verify_module, "_warned_triton_missing", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [resolve_verify_backend("auto", "cuda") for _ in range(3)] == ["reference"] * 3
+        assert resolve_verify_backend("auto", "cpu") == "reference"
+    assert len(caught) == 1 and "specdraft[triton]" in str(caught[0].message)
+
+
+def test_triton_requested_without_triton_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+    inputs = make_inputs(seed=0, counts=[2], vocab=50, mode="random", with_draft_probs=False)
+    for call in (lambda: resolve_verify_backend("triton", "cuda"),
+                 lambda: verify(*inputs, max_spec_len=2, backend="triton"),
+                 lambda: verify_module.verify_triton(*inputs, max_spec_len=2)):
+        with pytest.raises(SpecdraftError, match=r"needs triton.*pip install 'specdraft\[triton\]'"):
+            call()
+
+
+def test_triton_on_cpu_without_the_interpreter_names_the_fix(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SpecdraftError, match="needs CUDA tensors.*TRITON_INTERPRET=1.*'reference'"):
+        resolve_verify_backend("triton", "cpu")
+
+
+@pytest.mark.parametrize("name", ["cuda", "Triton", "", "torch"])
+def test_an_unknown_backend_lists_the_choices(name):
+    with pytest.raises(SpecdraftError, match="must be one of auto, triton, reference"):
+        resolve_verify_backend(name, "cpu")
 
 
 # ---------------------------------------------------------------- acceptance helpers

@@ -276,7 +276,11 @@ def test_lenience_is_lossy_in_the_predicted_way():
 def test_kernel_agrees_with_the_reference_on_these_scenarios():
     """The Triton kernel (interpreted on CPU) emits the reference's tokens on a small batch of
     each design above. 64 rows per design keep the interpreter's cost (a program per row) small."""
+    from kernel_device import on_kernel_device
+
     from specdraft.decoding.verify import verify_triton
+
+    verify_triton = on_kernel_device(verify_triton)
 
     g = torch.Generator().manual_seed(7)
     sharp_p, sharp_q = tempered_pair(g, power=3.0)

@@ -66,6 +66,7 @@ def speculative_decode_batch(
     max_new_tokens: int = 128,
     eos_token_ids: int | list[int] | None = None,
     generator: torch.Generator | None = None,
+    verify_backend: str = "auto",  # auto | triton | reference: see verify.resolve_verify_backend
 ) -> list[DecodeOutput]:
     """Decode B prompts together; returns one ``DecodeOutput`` per prompt, in order. ``sources=None``
     decodes plainly (one token per row per forward), the batched baseline. Sources may propose chains or
@@ -86,6 +87,7 @@ def speculative_decode_batch(
             raise SpecdraftError(f"prompt {b} of the batch: {e}") from e
     stop_ids = _stop_ids(eos_token_ids)
     device = prompts[0].device
+    backend = verify_lib.resolve_verify_backend(verify_backend, device)  # a bad choice fails before the prefill
     start = time.perf_counter()
 
     # Rows run longest prompt first, so that the prefill reads them in groups of similar length; the outputs
@@ -126,10 +128,10 @@ def speculative_decode_batch(
         positions = valid.sum(1, keepdim=True) + step.offsets
         out = _forward(target, cache, step.ids, positions, valid, step.valid, step.sees)
         if step.trees:
-            verified = _verify_tree_rows(out.logits, step, params, generator)
+            verified = _verify_tree_rows(out.logits, step, params, generator, backend)
         else:
             verified = _verify_rows(out.logits, rows, {b: proposals[b].tokens for b in rows},
-                                    {b: proposals[b].probs for b in rows}, params, generator)  # fmt: skip
+                                    {b: proposals[b].probs for b in rows}, params, generator, backend)  # fmt: skip
         # Each row keeps the pending token and its accepted path; those slots move to the front of the step's
         # slots and the cache keeps as many as the row that kept most (a chain's path is already in front).
         kept = [[] for _ in range(batch)]
@@ -325,7 +327,7 @@ def _first_tokens(logits: torch.Tensor, params: SamplingParams, generator) -> to
     return sample_with_exponentials(p, draw_exponentials(p.shape[0], p.shape[1], generator, p.device))
 
 
-def _verify_rows(logits, rows, drafts, q, params, generator) -> list[tuple[list[int], list[int], None]]:
+def _verify_rows(logits, rows, drafts, q, params, generator, backend) -> list[tuple[list[int], list[int], None]]:
     """Chains: per active row (its accepted drafts' indices, the tokens it emits: those drafts then one more,
     None: no tree depth); greedy by comparison, else ``verify`` over the ragged batch (rows' drafts
     concatenated, ``cu_num_draft_tokens`` their cumsum). One host sync."""
@@ -351,12 +353,14 @@ def _verify_rows(logits, rows, drafts, q, params, generator) -> list[tuple[list[
         emitted, num_accepted = verify_lib.verify(
             flat_drafts, cu, flat_q, flat_p, bonus, draw_uniforms(len(flat_drafts), generator, device), noise,
             torch.zeros(len(rows), dtype=torch.bool, device=device), max_spec_len=width - 1, check=False,
+            backend=backend,
         )  # fmt: skip
     host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the step's one host sync
     return [(list(range(n)), row[: n + 1], None) for n, *row in host]
 
 
-def _verify_tree_rows(logits, step: _StepLayout, params, generator) -> list[tuple[list[int], list[int], int]]:
+def _verify_tree_rows(logits, step: _StepLayout, params, generator,
+                      backend) -> list[tuple[list[int], list[int], int]]:  # fmt: skip
     """Trees: per active row (its accepted path's node indices, the tokens it emits: the path's then one more,
     the tree's depth). Greedy: the deepest node whose path matches the target's argmaxes
     (``deepest_passing_node``, as one prompt decodes); else ``verify_tree`` over the ragged batch. One host sync."""
@@ -385,7 +389,7 @@ def _verify_tree_rows(logits, step: _StepLayout, params, generator) -> list[tupl
         torch.cat([step.parents[i, :c] for i, c in enumerate(counts)]),
         torch.tensor(counts, device=device).cumsum(0), flat_q, torch.cat([p[i, : c + 1] for i, c in enumerate(counts)]),
         draw_uniforms(total, generator, device), draw_exponentials(len(rows), p.shape[-1], generator, device),
-        torch.zeros(len(rows), dtype=torch.bool, device=device), max_depth=most, check=False,
+        torch.zeros(len(rows), dtype=torch.bool, device=device), max_depth=most, check=False, backend=backend,
     )  # fmt: skip
     host = torch.cat([num_accepted[:, None], depth[:, None], output, nodes], dim=1).tolist()
     return [(row[most + 1 : most + 1 + n], row[: n + 1], d) for n, d, *row in host]

@@ -92,6 +92,7 @@ def speculative_decode(
     typical_acceptance: bool = False,  # LOSSY: Medusa's typical acceptance instead of exact verify
     timing: bool = True,  # split each step's time into draft and target (on CUDA: a sync per split)
     compile_target: bool | str = False,  # the verify's forward compiled (True, or a torch.compile mode)
+    verify_backend: str = "auto",  # auto | triton | reference: see verify.resolve_verify_backend
 ) -> DecodeOutput:
     """Generate up to ``max_new_tokens`` tokens with drafts from ``source``, K per step (a tree each step
     if the source proposes one, see ``TreeDrafting``). ``timing=False`` leaves the steps' seconds at 0 and
@@ -101,6 +102,7 @@ def speculative_decode(
     budget = check_decode_args(target, prompt_ids, max_new_tokens, k=k, lenience=lenience)
     stop_ids = _stop_ids(eos_token_ids)
     device = prompt_ids.device
+    backend = verify_lib.resolve_verify_backend(verify_backend, device)  # a bad choice fails before the prefill
     start = _clock(device)
     clock = (lambda: _clock(device)) if timing else (lambda: 0.0)
 
@@ -123,12 +125,12 @@ def speculative_decode(
         t1 = clock()
         if proposal.parents is None:
             step = _verify_chain(verifier, cache, pending, proposal, params, generator, lenience, typical_acceptance,
-                                 check=not steps)  # fmt: skip
+                                 check=not steps, backend=backend)  # fmt: skip
         elif compile_target and not cache.tree:
             raise SpecdraftError(f"{type(source).__name__} proposed a tree, and compile_target sizes its steps by a "
                                  "TreeDrafting's tree: draft trees through TreeDrafting, or decode with compile_target off")
         else:  # a tree: every node verified in the one forward, with a tree attention mask
-            step = _verify_tree(verifier, cache, pending, proposal, params, generator, typical_acceptance)
+            step = _verify_tree(verifier, cache, pending, proposal, params, generator, typical_acceptance, backend)
         t2 = clock()
         source.commit(step.kept_ids, step.kept_out)
         t3 = clock()
@@ -248,7 +250,7 @@ class _Verified:
 
 
 def _verify_chain(target, cache, pending, proposal, params, generator, lenience, typical_acceptance,
-                  check) -> _Verified:
+                  check, backend) -> _Verified:
     """One forward over K'+1 positions, then keep d_1..d_n and one more token; roll the cache back."""
     drafts, q = proposal.tokens, proposal.probs  # [1, K'], [1, K', V] or None (one-hot q)
     num_drafts, device = drafts.shape[1], drafts.device
@@ -275,7 +277,7 @@ def _verify_chain(target, cache, pending, proposal, params, generator, lenience,
                 drafts[0], torch.full((1,), num_drafts, device=device), None if q is None else q[0],
                 p[:num_drafts], bonus, draw_uniforms(num_drafts, generator, device), noise,
                 torch.zeros(1, dtype=torch.bool, device=device), max_spec_len=num_drafts, lenience=lenience,
-                check=check,
+                check=check, backend=backend,
             )  # fmt: skip
     # The one host sync a step needs: how many drafts survived, and the tokens.
     n, *row = torch.cat([num_accepted, emitted[0]]).tolist()
@@ -289,7 +291,7 @@ def _verify_chain(target, cache, pending, proposal, params, generator, lenience,
                      emitted[:, n : n + 1], alpha)  # fmt: skip
 
 
-def _verify_tree(target, cache, pending, proposal, params, generator, typical_acceptance) -> _Verified:
+def _verify_tree(target, cache, pending, proposal, params, generator, typical_acceptance, backend) -> _Verified:
     """Verify a tree proposal: one target forward over [pending, node_1..node_N] with a tree attention mask
     (each node sees the cache, the pending token and its ancestors, at position past + depth), pick the
     accepted path, and leave exactly [.., pending, path] in the target's cache."""
@@ -330,7 +332,7 @@ def _verify_tree(target, cache, pending, proposal, params, generator, typical_ac
             drafts, parents, torch.full((1,), num_nodes, device=device),
             None if proposal.probs is None else proposal.probs[0], p,
             draw_uniforms(num_nodes, generator, device), draw_exponentials(1, vocab, generator, device),
-            torch.zeros(1, dtype=torch.bool, device=device), max_depth=num_nodes, check=False,
+            torch.zeros(1, dtype=torch.bool, device=device), max_depth=num_nodes, check=False, backend=backend,
         )  # fmt: skip
         n, depth, *rest = torch.cat([num_accepted, depths.max().view(1), output[0], nodes[0]]).tolist()
         tokens, path = rest[: n + 1], rest[num_nodes + 1 : num_nodes + 1 + n]

@@ -48,11 +48,10 @@ Arithmetic, kept identical in ``verify_tree_reference`` and the Triton kernel
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specdraft.decoding.trees import check_tree, tree_depths
+from specdraft.decoding.verify import resolve_verify_backend
 from specdraft.errors import SpecdraftError
 
 PADDING_TOKEN_ID = -1  # fills output slots after a row's last emitted token
@@ -70,6 +69,7 @@ def verify_tree(
     greedy: torch.Tensor,  # [batch] bool
     max_depth: int,
     check: bool = True,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (output_token_ids [batch, max_depth + 1], accepted_nodes [batch, max_depth], num_accepted [batch]).
 
@@ -79,10 +79,12 @@ def verify_tree(
     ``max_depth`` must be at least the deepest tree's depth. ``check=False`` skips the checks
     that sync with the host (token and parent ranges, tree shape, depth); shapes, dtypes and
     devices are always checked. Unchecked, a node deeper than max_depth is never tested (the
-    tree is cut there, which stays exact). The Triton kernel runs on CUDA tensors, the
-    pure-torch reference everywhere else.
+    tree is cut there, which stays exact). ``backend`` (auto | triton | reference, see
+    ``specdraft.decoding.verify.resolve_verify_backend``): by default the Triton kernels on CUDA
+    tensors, the pure-torch reference everywhere else.
     """
-    fn = verify_tree_triton if target_probs.is_cuda else verify_tree_reference
+    use_triton = resolve_verify_backend(backend, target_probs.device) == "triton"
+    fn = verify_tree_triton if use_triton else verify_tree_reference
     return fn(
         node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
         uniforms, exponentials, greedy, max_depth, check,
@@ -212,32 +214,25 @@ def verify_tree_triton(
     max_depth: int,
     check: bool = True,
     block_v: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tree verify with the Triton kernel (one program per row). Same contract as ``verify_tree``.
+    """Tree verify with the Triton kernels. Same contract as ``verify_tree``.
 
-    ``block_v`` is how many vocabulary entries a program reads per step (a power of two; default
-    min(1024, next_pow2(V))). Runs on CUDA tensors, or on CPU under the Triton interpreter
+    ``block_v`` is how many vocabulary entries a program reads per step (a power of two in [128, 4096];
+    default min(1024, next_pow2(V))), ``num_splits`` how many programs share a row's vocabulary (default:
+    enough to fill the GPU). Runs on CUDA tensors, or on CPU under the Triton interpreter
     (TRITON_INTERPRET=1 set before triton is imported).
     """
     _check_inputs(
         node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
         uniforms, exponentials, greedy, max_depth, check,
     )
-    if not target_probs.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SpecdraftError(
-            "verify_tree_triton needs CUDA tensors (on CPU it only runs under the Triton interpreter, "
-            "TRITON_INTERPRET=1 set before triton is imported); use verify_tree() or verify_tree_reference() on CPU."
-        )
-    try:
-        from specdraft.kernels.tree_sampler import tree_sample
-    except ImportError as err:
-        raise SpecdraftError(
-            f"the Triton tree verify kernel needs triton ({err}); install it with "
-            "`pip install 'specdraft[triton]'` or use verify_tree_reference()."
-        ) from err
+    resolve_verify_backend("triton", target_probs.device)  # triton importable, CUDA or the interpreter
+    from specdraft.kernels.tree_sampler import tree_sample
+
     return tree_sample(
         node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
-        uniforms, exponentials, greedy, max_depth, block_v=block_v,
+        uniforms, exponentials, greedy, max_depth, block_v=block_v, num_splits=num_splits,
     )
 
 

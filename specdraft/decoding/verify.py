@@ -14,20 +14,72 @@ The emitted tokens are then distributed exactly as if sampled from p.
 Greedy rows accept while x_i == argmax p_i, and correct with argmax p_i.
 
 ``verify_reference`` is the spec, in plain torch. ``verify_triton`` runs the same
-math in one Triton kernel (``specdraft.kernels.rejection_sampler``) and must agree
-with it token for token given the same random draws. ``verify`` picks the kernel on
-CUDA tensors and the reference elsewhere.
+math in Triton kernels (``specdraft.kernels.rejection_sampler``) and must agree
+with it token for token given the same random draws. ``verify`` runs the backend that
+``resolve_verify_backend`` picks: by default the kernel on CUDA tensors and the reference
+elsewhere.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 from specdraft.errors import SpecdraftError
 
 PADDING_TOKEN_ID = -1  # fills output slots after a row's last emitted token
+VERIFY_BACKENDS = ("auto", "triton", "reference")
+_warned_triton_missing = False  # auto's fallback warns once per process
+
+
+def resolve_verify_backend(requested: str, device: torch.device | str) -> str:
+    """"triton" or "reference": which implementation verifies tensors on ``device``.
+
+    auto: the Triton kernels on CUDA when triton imports, else the reference (on CUDA without triton,
+    with one warning per process). triton: the kernels, or a SpecdraftError naming the fix when triton
+    is missing or the tensors are off CUDA (on CPU they run only under the Triton interpreter,
+    TRITON_INTERPRET=1). No host sync: a decoder may resolve it every step.
+    """
+    global _warned_triton_missing
+    if requested not in VERIFY_BACKENDS:
+        raise SpecdraftError(f"verify backend must be one of {', '.join(VERIFY_BACKENDS)}; got {requested!r}")
+    if requested == "reference":
+        return "reference"
+    on_cuda = torch.device(device).type == "cuda"
+    triton_error = _triton_import_error()
+    if requested == "auto":
+        if not on_cuda:
+            return "reference"
+        if triton_error is None:
+            return "triton"
+        if not _warned_triton_missing:
+            _warned_triton_missing = True
+            warnings.warn(f"triton is not importable ({triton_error}): verifying with the pure-torch reference, which "
+                          "is slower on CUDA; install it with `pip install 'specdraft[triton]'`", stacklevel=2)
+        return "reference"
+    if triton_error is not None:
+        raise SpecdraftError(
+            f"verify backend 'triton' needs triton, which does not import ({triton_error}); install it with "
+            "`pip install 'specdraft[triton]'`, or verify with the backend 'auto' or 'reference'."
+        )
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SpecdraftError(
+            f"verify backend 'triton' needs CUDA tensors, got {torch.device(device)} (on CPU the kernels run only "
+            "under the Triton interpreter, TRITON_INTERPRET=1 set before triton is imported); use the backend "
+            "'reference' (verify_reference, verify_tree_reference) or 'auto' on CPU."
+        )
+    return "triton"
+
+
+def _triton_import_error() -> ImportError | None:
+    """Why triton does not import, or None (after the first import this is a dict lookup)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return err
+    return None
 
 
 def verify(
@@ -42,12 +94,14 @@ def verify(
     max_spec_len: int,
     lenience: float = 1.0,
     check: bool = True,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output_token_ids [batch, max_spec_len + 1] padded with -1, num_accepted [batch]).
 
     Each output row is: the accepted drafts, then one correction or bonus token,
     then -1. ``num_accepted`` counts accepted drafts only (so a row emits
-    num_accepted + 1 tokens). The Triton kernel runs on CUDA tensors, the
+    num_accepted + 1 tokens). ``backend`` (auto | triton | reference, see
+    ``resolve_verify_backend``): by default the Triton kernels on CUDA tensors, the
     pure-torch reference everywhere else.
 
     lenience < 1 is LOSSY: accept while u < p / (lenience * q), correction still from
@@ -56,7 +110,7 @@ def verify(
 
     ``check=False`` skips the input checks and their host syncs (for a caller that checked once).
     """
-    fn = verify_triton if target_probs.is_cuda else verify_reference
+    fn = verify_triton if resolve_verify_backend(backend, target_probs.device) == "triton" else verify_reference
     return fn(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
         uniforms, exponentials, greedy, max_spec_len, lenience, check=check,
@@ -156,33 +210,26 @@ def verify_triton(
     lenience: float = 1.0,
     block_v: int | None = None,
     check: bool = True,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify with the Triton kernel (one program per row). Same contract as ``verify``.
+    """Verify with the Triton kernels. Same contract as ``verify``.
 
-    ``block_v`` is how many vocabulary entries a program reads per step (a power
-    of two; default min(1024, next_pow2(V))). Runs on CUDA tensors, or on CPU
-    under the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported).
+    ``block_v`` is how many vocabulary entries a program reads per step (a power of two in
+    [128, 4096]; default min(1024, next_pow2(V))), ``num_splits`` how many programs share a row's
+    vocabulary (default: enough to fill the GPU). Runs on CUDA tensors, or on CPU under the Triton
+    interpreter (TRITON_INTERPRET=1 set before triton is imported).
     """
     if check:
         _check_inputs(
             draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
             uniforms, exponentials, greedy, max_spec_len, lenience,
         )  # fmt: skip
-    if not target_probs.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SpecdraftError(
-            "verify_triton needs CUDA tensors (on CPU it only runs under the Triton interpreter, "
-            "TRITON_INTERPRET=1 set before triton is imported); use verify() or verify_reference() on CPU."
-        )
-    try:
-        from specdraft.kernels.rejection_sampler import rejection_sample
-    except ImportError as err:
-        raise SpecdraftError(
-            f"the Triton verify kernel needs triton ({err}); install it with `pip install 'specdraft[triton]'` "
-            "or use verify_reference()."
-        ) from err
+    resolve_verify_backend("triton", target_probs.device)  # triton importable, CUDA or the interpreter
+    from specdraft.kernels.rejection_sampler import rejection_sample
+
     return rejection_sample(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-        uniforms, exponentials, greedy, max_spec_len, lenience, block_v=block_v,
+        uniforms, exponentials, greedy, max_spec_len, lenience, block_v=block_v, num_splits=num_splits,
     )
 
 

@@ -23,6 +23,7 @@ from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
 from specdraft.decoding.speculative import DecodeOutput, TreeDrafting, plain_decode, speculative_decode
 from specdraft.decoding.trees import NAMED_TREES, parse_tree
+from specdraft.decoding.verify import VERIFY_BACKENDS, resolve_verify_backend
 from specdraft.config import MAX_DRAFTS_PER_STEP
 from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
@@ -53,12 +54,14 @@ def evaluate(
     show_progress: bool = True,
     batch_size: int = 1,
     compile_target: bool | str = False,
+    verify_backend: str = "auto",
 ) -> dict:
     """Decode every prompt with plain decoding and with each source; return (and write) the report dict.
 
     ``batch_size`` > 1 decodes that many prompts together (``speculative_decode_batch``: chains or trees,
     exact verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput.
-    ``compile_target`` compiles the target's decode forwards, plain decoding's and the verifies' alike."""
+    ``compile_target`` compiles the target's decode forwards, plain decoding's and the verifies' alike.
+    ``verify_backend``: auto | triton | reference (``specdraft.decoding.verify.resolve_verify_backend``)."""
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -71,6 +74,7 @@ def evaluate(
     methods = {PLAIN: None, **{name: _instantiate(s) for name, s in sources.items()}}
     device = target.device
     stop_ids = _stop_ids(target, tokenizer)
+    verify_backend = resolve_verify_backend(verify_backend, device)  # a bad choice fails before any decode
 
     def drafts_per_step(source) -> int:  # a tree method drafts its tree's whole depth; k is the chains' length
         return getattr(source, "depth", k)
@@ -83,7 +87,8 @@ def evaluate(
         if source is None:
             return plain_decode(target, prompt_ids, **common)
         return speculative_decode(target, source, prompt_ids, k=drafts_per_step(source), lenience=lenience,
-                                  typical_acceptance=typical_acceptance, **common)  # fmt: skip
+                                  typical_acceptance=typical_acceptance, verify_backend=verify_backend,
+                                  **common)  # fmt: skip
 
     _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens, max_new_tokens)
     if batch_size < 1 or (batch_size > 1 and (lenience < 1.0 or typical_acceptance)):
@@ -105,7 +110,7 @@ def evaluate(
         return speculative_decode_batch(
             target, sources, [torch.tensor(ids, device=device) for ids in rows], k=drafts_per_step(source),
             params=params, max_new_tokens=max_new, eos_token_ids=stop_ids,
-            generator=torch.Generator(device=device).manual_seed(generator_seed),
+            generator=torch.Generator(device=device).manual_seed(generator_seed), verify_backend=verify_backend,
         )  # fmt: skip
 
     # records[method] = [(prompt, output), ...]; every method sees the same prompts and seeds, in groups of
@@ -136,7 +141,7 @@ def evaluate(
     bar.close()
 
     result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
-                                batch_size, compile_target),
+                                batch_size, compile_target, verify_backend),
               "methods": {name: _summaries(records[name], records[PLAIN], k) for name in methods}}  # fmt: skip
     if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
         plain_tokens = [out.tokens for _, out in records[PLAIN]]
@@ -264,9 +269,9 @@ def _stop_ids(target, tokenizer) -> list[int]:
 
 
 def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device, batch_size,
-            compile_target) -> dict:  # fmt: skip
+            compile_target, verify_backend) -> dict:  # fmt: skip
     return {
-        "batch_size": batch_size, "compile_target": compile_target,
+        "batch_size": batch_size, "compile_target": compile_target, "verify_backend": verify_backend,
         "k": k, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
         "max_new_tokens": max_new_tokens, "seed": seed, "lenience": lenience,
         "typical_acceptance": typical_acceptance, "lossy": lenience < 1.0 or typical_acceptance,
@@ -294,6 +299,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the target's decode forwards (plain steps, chain and tree verifies, over a "
                              "static cache): frozen targets (not Medusa-2's adapted one), batch size 1")
     parser.add_argument("--prompt-lookup", action="store_true", help="also evaluate n-gram prompt lookup (no model)")
+    parser.add_argument("--verify-backend", default="auto", choices=VERIFY_BACKENDS,
+                        help="the verify step: auto = the Triton kernels on CUDA when triton imports, else the "
+                             "pure-torch reference; triton or reference to force one")
     parser.add_argument("--prompts", required=True, nargs="+", metavar="FILE",
                         help="suite(s): Spec-Bench/MT-bench question JSONL, JSONL with `prompt` or `text`, "
                              "or a folder of .py files")
@@ -403,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
         target, sources, args.prompts, params, k=args.k, max_new_tokens=args.max_new_tokens, out_dir=args.out,
         num_prompts=args.num_prompts, prefix_tokens=args.prefix_tokens, seed=args.seed, lenience=args.lenience,
         typical_acceptance=args.typical_acceptance, wandb_run=wandb_run, show_progress=not args.no_progress,
-        batch_size=args.batch_size, compile_target=args.compile_target,
+        batch_size=args.batch_size, compile_target=args.compile_target, verify_backend=args.verify_backend,
     )  # fmt: skip
     if wandb_run is not None:
         wandb_run.finish()
