@@ -14,6 +14,7 @@ from .errors import SpecdraftError
 
 COMMANDS = {
     "quickstart": ("specdraft.quickstart", "toy target -> EAGLE-3 drafter -> export -> acceptance report"),
+    "recipes": ("specdraft.recipe_files", "list the shipped recipes, or copy one to edit"),
     "train": ("specdraft.cli_train", "train the drafter a recipe describes (also under `accelerate launch -m specdraft`)"),
     "cache-features": ("specdraft.cli_train", "offline mode: write the target's tapped features to disk once"),
     "eval": ("specdraft.evaluation.run", "acceptance length, acceptance rate and speedup of drafters"),
@@ -22,20 +23,57 @@ COMMANDS = {
     "toy-target": ("specdraft.toy_build.builder", "build the small stand-in target (no download needed)"),
 }
 
+# Shown at the end of each command's --help: real command lines.
+EXAMPLES = {
+    "quickstart": ["specdraft quickstart", "specdraft quickstart --target smollm2-135m-instruct --out qs-smollm2"],
+    "recipes": ["specdraft recipes", "specdraft recipes copy toy_eagle3 my_recipe.yaml"],
+    "train": ["specdraft train toy_eagle3 data.path=answers.jsonl checkpoint.output_dir=runs/toy",
+              "accelerate launch --config_file recipes/accelerate/ddp_8gpu.yaml -m specdraft train "
+              "llama3.1-8b-eagle3 --resume"],
+    "cache-features": ["specdraft cache-features llama3.1-8b-eagle3 training.feature_cache=cache/llama-eagle3"],
+    "eval": ["specdraft eval --target toy --drafter runs/toy/drafter --prompt-lookup --prompts questions.jsonl",
+             "specdraft eval --target MODEL --drafter export/hf --tree eagle2 --batch-size 16 --prompts spec_bench.jsonl"],
+    "export": ["specdraft export runs/toy --format sglang --out export/sglang",
+               "specdraft export runs/llama-eagle3 --format vllm --out export/vllm --num-speculative-tokens 5"],
+    "regenerate": ["specdraft regenerate --target toy --data prompts.jsonl --out data/answers.jsonl",
+                   "specdraft regenerate --target Qwen/Qwen3-8B --data HuggingFaceH4/ultrachat_200k --out "
+                   "data/ultrachat_qwen3.jsonl --batch-size 64"],
+    "toy-target": ["specdraft toy-target --help"],
+}
+
+
+def _epilog(name: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES.get(name, []))
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("specdraft")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="specdraft", description="Train speculative-decoding drafters against a frozen target LLM.")
+        prog="specdraft", description="Train speculative-decoding drafters against a frozen target LLM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  specdraft quickstart\n  specdraft recipes\n  specdraft train toy_eagle3 "
+               "data.path=answers.jsonl checkpoint.output_dir=runs/toy\n\n`specdraft COMMAND --help` for each.")
+    parser.add_argument("--version", action="version", version=f"specdraft {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] not in COMMANDS:
-        parser.parse_args(argv or ["--help"])  # prints help, or names the unknown command; exits
+        parser.parse_args(argv or ["--help"])  # prints help or the version, or names the unknown command; exits
         return 2
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"specdraft {name}", description=COMMANDS[name][1])
+    cmd_parser = argparse.ArgumentParser(prog=f"specdraft {name}", description=COMMANDS[name][1],
+                                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog(name))
     if module.__name__ == "specdraft.cli_train":
         module.add_arguments(cmd_parser, name)
     else:

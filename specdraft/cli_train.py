@@ -6,7 +6,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    parser.add_argument("recipe", help="a YAML file under recipes/")
+    parser.add_argument("recipe", help="a recipe file, or a shipped recipe's name (`specdraft recipes` lists them)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value, e.g. training.max_steps=100")
     if command == "train":
         parser.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")

@@ -353,9 +353,10 @@ def flatten(config: dict, prefix: str = "") -> dict:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    path = Path(path)
-    if not path.is_file():
-        raise SpecdraftError(f"recipe {path} not found; recipes live in recipes/ (e.g. recipes/toy_eagle3.yaml)")
+    """A recipe file, or a shipped recipe's name (``toy_eagle3``), with ``key.sub=value`` overrides."""
+    from .recipe_files import resolve_recipe
+
+    path = resolve_recipe(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:

@@ -24,8 +24,9 @@ from pathlib import Path
 import yaml
 
 from .errors import SpecdraftError
+from .recipe_files import shipped_recipes_dir
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = shipped_recipes_dir()  # the shipped recipes (the repository's recipes/, installed with the package)
 HELDOUT_ANSWERS = 48  # default: held-out prompts the target answers for the training run's eval metrics
 
 
@@ -85,8 +86,6 @@ def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_pro
     train_prompts, eval_prompts = train_prompts or setup.train_prompts, eval_prompts or setup.eval_prompts
     steps = steps or setup.steps
     recipe_file = RECIPES_DIR / setup.recipe
-    if not recipe_file.is_file():
-        raise SpecdraftError(f"{recipe_file} not found: run the quickstart from a clone of the specdraft repository")
     started = time.perf_counter()
     if setup.one_thread and not torch.cuda.is_available():
         # The toy target is tiny, and OpenMP threads that find a core busy spin: with one other
