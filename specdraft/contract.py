@@ -17,6 +17,22 @@ is one module of ``specdraft/drafters/`` that fills them in, and one line in its
     Family.lr_multipliers(cfg), .unused_parameters, .eval_report, .lr_schedule: optional, for families
                                                              with stages or parts trained at other rates
 
+A family declares what it needs from the target (``TargetNeeds``: which logits — none, full, only its
+draft vocabulary's rows, or the last position — the final hidden state, which layers to tap, and whether
+it trains adapters inside the target), and the target computes only that: EAGLE-3 training never forms
+the 49k-wide logits of SmolLM2, only its 8,192 draft rows, and decode prefill asks for the last
+position. Taps follow vLLM's convention: tap ``i`` is the *input* of decoder layer ``i``. A drafter
+makes its own training example from a batch (``prepare``: one target forward or a feature-cache read by
+default; a family may generate sequences first), names the module the loop optimises, wraps,
+checkpoints and resumes (``trained_module``), and owns its exporters with their serve hints. A family
+with stages or parts also declares, in its registry entry, learning-rate multipliers by parameter name
+(``lr_multipliers``), that some steps leave parameters without a gradient (``unused_parameters``, so
+DDP looks for them), its own end-of-training report (``eval_report``), and export formats that are whole
+folders (``FolderExporter``); ``prepare`` sees the run's length (``TrainingContext.total_steps``).
+Medusa-2 uses all five. A new family is one module under ``specdraft/drafters/``, its recipes, its tests
+and one registry line. Everything cheap in a recipe (data files, eval prompts, run folder, feature
+cache, taps against the target's config) is checked before any weight loads.
+
 Batch layout (made by ``specdraft.data``), all ``[B, T]``:
   input_ids       token ids
   attention_mask  1 for real tokens, 0 for padding

@@ -13,6 +13,16 @@ Trained with L = SmoothL1(f_hat, f) + 0.1 * CE(p, p_hat) (``eagle_losses.eagle1_
 on input features with uniform noise. Embedding and LM head are the target's: borrowed,
 frozen, never saved. Saved parameter names follow the reference checkpoints: ``fc``,
 ``layers.0.{self_attn,mlp,post_attention_layernorm}``.
+
+Taps: none (``target.taps: auto``); the draft reads the target's final hidden state.
+
+Exports (``specdraft export RUN --format F``; the exporters are in ``eagle_export.py``):
+  sglang  the EAGLE reference layout (SGLang's ``LlamaForCausalLMEagle``, also the EAGLE repo's
+          ``EaModel``): ``fc`` with its bias, ``layers.0.*``
+  vllm    the reference layout with a Llama config (``method: eagle``): ``fc`` without bias, so a
+          drafter that learned an fc bias is refused (``drafter.fc_bias: false`` trains one vLLM serves)
+  hf      specdraft's own folder, loaded by ``specdraft eval``
+Every consumer of these layouts binds the target's embedding itself, so no EAGLE-1 export ships one.
 """
 
 from __future__ import annotations

@@ -18,8 +18,26 @@ extend the KV cache. (The EAGLE-3 reference and SpecForge additionally hide step
 i-k+1..i from step k, which decoding does not do: EAGLE issue #247, SpecForge PR #245. We follow
 decoding, and ``tests/test_eagle_decoding.py`` checks the two agree.)
 
+Loss: step k's soft cross-entropy against the target's distribution over the draft vocabulary,
+
+    L = sum_k step_weight_decay^k * CE(p_target, q_k)     (0.8^k, as the reference trainer)
+
+where p_target is the softmax of the target's logits at the draft vocabulary's rows only
+(``eagle_losses.draft_vocab_probs``; the target never forms its V-wide logits for this family), and
+a position counts when its next token is an answer token the draft vocabulary holds. The draft's LM
+head starts at the target's LM-head rows, as vLLM's speculators does.
+
+Taps: the inputs of layers 2, N//2 and N-3 (``target.taps: auto``; a list replaces them one for one).
+The draft vocabulary is the N most frequent assistant tokens of the data (``draft_vocab_size``),
+stored as ``d2t`` offsets and a boolean ``t2d``, the convention vLLM and SGLang read, and cached under
+a hash of the data's content, the tokenizer and N.
+
 Parameter names are SGLang's, so export is a copy: ``fc``, ``midlayer.*``, ``norm``,
 ``lm_head``, buffers ``d2t`` / ``t2d``. The embedding is the target's: borrowed, not saved.
+Exports (``eagle_export.py``): ``sglang`` (``LlamaForCausalLMEagle3``, which the EAGLE repo's
+``EaModel`` loads too), ``vllm`` (the speculators ``Eagle3Speculator`` format, which vLLM and the
+speculators library load) and ``hf`` (specdraft's own folder); both engine formats ship the target's
+``embed_tokens``.
 """
 
 from __future__ import annotations

@@ -8,9 +8,24 @@ Formats (``specdraft export RUN --format F``; ``hf``, specdraft's own folder, is
           library load; EAGLE-1 in the reference layout with a Llama config, which vLLM's
           EAGLEConfig turns into EagleLlamaForCausalLM
 
-EAGLE-3 engine exports ship the target's token embedding (``embed_tokens.weight``, which the driver
-reads from the target's safetensors, in the export dtype). vLLM and SGLang share the target's own
-embedding anyway, but EaModel (EAGLE-3 configs with ``target_hidden_size``) and speculators (under
+What each folder holds (``config.json`` and ``model.safetensors``, nothing pickled), format by family:
+
+  sglang, EAGLE-3  ``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, the target's
+                   ``embed_tokens``, and ``d2t``, ``t2d`` if the draft vocabulary is reduced; layer ids in
+                   SGLang's convention. The EAGLE repo's ``EaModel`` loads it too
+  sglang, EAGLE-1  EAGLE reference layout (``LlamaForCausalLMEagle``, also ``EaModel``): ``fc`` with its
+                   bias, ``layers.0.*``
+  vllm, EAGLE-3    speculators ``Eagle3Speculator`` (``speculators_config``, ``transformer_layer_config``,
+                   ``eagle_aux_hidden_state_layer_ids``): ``fc``, ``layers.0.*``, ``norm``, ``lm_head``,
+                   the target's ``embed_tokens``, and ``d2t``, ``t2d`` if reduced. vLLM and the
+                   speculators library load it
+  vllm, EAGLE-1    reference layout with a Llama config (``method: eagle``): ``fc`` without bias,
+                   ``layers.0.*``
+  hf, both         specdraft's own folder, loaded by ``specdraft eval``
+
+EAGLE-3 engine exports ship the target's token embedding (``embed_tokens.weight``: the driver reads
+only the target's ``model.embed_tokens.weight`` from its safetensors, sharded or not, in the export
+dtype). vLLM and SGLang share the target's own embedding anyway, but EaModel (EAGLE-3 configs with ``target_hidden_size``) and speculators (under
 transformers 5) would otherwise run the draft on an embedding nobody loaded. Every consumer of the
 EAGLE-1 layouts reads the target's embedding itself, so those ship none. Each exporter's docstring
 gives the reasons per consumer.
@@ -19,11 +34,27 @@ Every config field an engine reads is written out, never left to a default: the 
 (vLLM reads a missing ``norm_before_residual`` in a speculators config as true, speculators itself
 as false; ``bias: true`` gives vLLM's and SGLang's Llama layers attention biases). The one
 exception is a key two consumers of one format read with different meanings (``bias`` in the
-EAGLE-1 sglang export): it is left out, so that each consumer's default applies. Each exporter's
-docstring names the loader files its fields and tensor names were checked against.
+EAGLE-1 sglang export: SGLang reads it as attention bias, default none; EaModel as the fc bias,
+default on): it is left out, so that each consumer's default applies. Each exporter's docstring names
+the loader files its fields and tensor names were checked against.
 
-A full-size EAGLE-3 draft vocabulary ships no ``d2t``/``t2d``: vLLM builds no vocabulary map then
-and refuses the tensors, and every other consumer reads the absence as the identity.
+A full-size EAGLE-3 draft vocabulary ships no ``d2t``/``t2d``, and the config gives
+``draft_vocab_size`` = ``vocab_size``: vLLM builds no vocabulary map then and refuses the tensors,
+and every other consumer reads the absence as the identity.
+
+The verifier is the recipe's ``target.path``, or ``--target``: ``toy`` and named targets are resolved
+to the folder that training loaded, and a local folder is named by its absolute path. The vLLM config
+names this verifier. ``vllm serve EXPORT`` on its own accepts only a hub id as verifier; with a local
+target, run ``vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "EXPORT", ...}'``.
+
+Tests re-implement, from each consumer's source (vLLM 0.33, SGLang 0.5.23, speculators 0.9 and
+SafeAILab/EAGLE's EaModel), its config parsing and weight mapping. They check every tensor name and
+shape, and that every parameter the consumer has gets filled; for loaders that skip missing names
+silently, this is the only check. They compute the draft logits through each consumer's mapping and
+check that these equal specdraft's own, and that export, then load, gives identical draft logits.
+EaModel itself (on transformers 4, which it requires) fails loudly on some targets: where
+``head_dim`` is not hidden/heads, on RoPE scalings other than linear or dynamic (llama3's, for
+example), and, for EAGLE-1, on a target saved as a single file.
 
 Layer ids: our tap i is the *input* of target layer i (vLLM's convention); SGLang names the layer
 whose *output* it captures, so SGLang id = tap - 1. Both engines capture ``hidden + residual``

@@ -26,16 +26,21 @@ Decoding: every head reads the hidden state of the last committed token, so one 
 of all heads. Draft k is head k's top-1 (greedy), or a sample from its distribution, warped with the
 same sampling parameters as the target's. That distribution is the q the verifier uses. A head does
 not see the earlier drafts, so q_k(. | d_1..d_k-1) = q_k, and speculative sampling stays exact.
-Medusa's typical acceptance is the decoder's ``typical_acceptance`` (lossy). Static Medusa trees come
-with the tree issue.
+Medusa's typical acceptance is the decoder's ``typical_acceptance`` (lossy, off by default). Static
+trees (``medusa-63``, ``medusa-16``, ..., ``specdraft.decoding.trees``) take each depth's top-k from
+the head of that depth.
 
 Exports (each name checked against the engine's loader source, cited in the exporter):
   medusa  FasterDecoding's layout: config medusa_num_heads, medusa_num_layers, base_model_name_or_path;
-          tensors {h}.{l}.linear.weight/bias and {h}.{num_layers}.weight
-  vllm    vLLM's MedusaConfig (model_type medusa) with medusa_fc_bias; tensors
-          blocks.{h}.layers.{l}.weight/bias, lm_heads.{h}.weight, and token_map for a reduced vocabulary
+          tensors {h}.{l}.linear.weight/bias and {h}.{num_layers}.weight, in medusa_lm_head.safetensors,
+          the file FasterDecoding, TGI and TensorRT-LLM open. Refused for a reduced draft vocabulary:
+          FasterDecoding's heads cover the whole vocabulary
+  vllm    vLLM's MedusaConfig (model_type medusa) with medusa_fc_bias: true, without which vLLM drops the
+          ResBlock biases; tensors blocks.{h}.layers.{l}.weight/bias, lm_heads.{h}.weight, and token_map
+          for a reduced vocabulary
   hf      specdraft's own folder
-SGLang has no Medusa support: its SpeculativeAlgorithm has no MEDUSA.
+SGLang has no Medusa support: its SpeculativeAlgorithm has no MEDUSA, and the serve hint says so.
+Tests re-implement each engine's parsing and weight mapping and check identical head logits.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ dropout 0.05 by default) on the target's attention and MLP projections, and one 
     steps [0, joint_from_step)   the heads only; the target is its original self (B = 0, no step taken)
     steps [joint_from_step, ..)  L = L_LM + lambda_heads * sched(step) * sum_k 0.8^k CE_k
 
+lambda_heads is ``heads_coefficient`` (0.2), sched is ``heads_schedule`` (below).
+
 L_LM = KL(p_original || p_adapted) on the target's own answers (self-distillation, Sec. 2.3.2): the
 teacher is the same model with its adapters switched off (peft's ``disable_adapter()``), under no_grad,
 so the target sits in memory once. The heads learn the answers' tokens from the adapted target's hidden
@@ -15,12 +17,27 @@ sine (sin(pi/2 x)) warmup over ``heads_warmup_ratio`` of the run's steps (its ``
 
 The heads train at ``head_lr_multiplier`` (4x) the adapters' lr (the reference's medusa_lr_multiplier),
 and a stage-1 step leaves the adapters without a gradient: the family declares both to the loop
-(``Family.lr_multipliers``, ``Family.unused_parameters``).
+(``Family.lr_multipliers``, ``Family.unused_parameters``, so DDP looks for them). It also uses the
+contract's other optional parts: its own end-of-training report (``Family.eval_report``), a whole-folder
+export (``FolderExporter``) and the run's length (``TrainingContext.total_steps``, for sched).
+Tests show two DDP processes train both stages to one process's weights, and ZeRO-2 matches one process
+when training is joint from the first step. With a stage 1 under DeepSpeed, the adapters still do not
+move (weight decay 0), but DeepSpeed steps their Adam moments on zero gradients where torch's AdamW
+skips them, so their bias correction in stage 2 differs from one process's.
 
 Serving: the ``merged`` export folds the adapters into the target's weights (peft's merge_and_unload) as
-a normal transformers folder, with the heads in ``medusa_heads/`` (a Medusa-1 drafter of that merged
-target; ``specdraft export OUT/medusa_heads --format vllm --target OUT`` gives vLLM's layout). The end of
-training reports how far the adapted target drifted from the original (``drift_report``).
+a normal transformers folder with the tokenizer, with the heads in ``medusa_heads/`` (a Medusa-1 drafter
+of that merged target; ``specdraft export OUT/medusa_heads --format vllm --target OUT`` gives vLLM's
+layout). The export checks that the merged model's logits and the heads' logits on it equal the adapted
+target's. ``hf`` is specdraft's own folder.
+
+The end-of-training eval decodes with the adapted target (its LoRA unmerged), so its speedups are over
+that target's plain decoding, and reports how far the adapted target drifted from the original
+(``drift_report``, in ``eval/family_report.json``): the mean KL along the original's greedy answer and
+the greedy agreement of the two. It warns above a mean KL of 0.05 nats (``DRIFT_WARNING_KL``) and names
+the knob that keeps the target (``optimizer.lr=5e-5 drafter.head_lr_multiplier=20``): at the paper's
+settings the adapted target drifts far enough that Medusa-2's figures describe another model
+(eval/README.md, "Medusa-2's drift, knob by knob").
 """
 
 from __future__ import annotations

@@ -28,15 +28,22 @@ configurable, fms-fsdp's are all 1).
 AdamW with fms-fsdp's betas (0.9, 0.95), weight decay 0.1 (the loop decays matrices only; fms-fsdp
 also decays the LN weights), gradient-norm clipping at 1.0, and fms-fsdp's learning-rate schedule:
 warmup, cosine to 10% at the switch, a re-warmup to 10% and cosine to 1% (``two_stage_lr_factor``).
+Both stages run in one ``specdraft train``, and a resume across the switch is exact.
 Decoding: a chain, head by head. Head i's token is drawn from q_i = its distribution warped like
 the target's p (same temperature, top-k, top-p) over the target's vocabulary, and that q_i is what
-the decoder verifies against, so speculative sampling stays exact. fms-extras' candidate trees
-(top_k_tokens_per_head) come with the tree issue; the fields are exported for engines that read them.
+the decoder verifies against, so speculative sampling stays exact. Static trees
+(``specdraft.decoding.trees``) draft each depth from its parent's state and token; fms-extras'
+candidate-tree fields (top_k_tokens_per_head) are exported for engines that read them.
 
 Saved and exported names are fms-extras' Hugging Face names (``MLPSpeculatorPreTrainedModel`` keeps
 the network as ``self.speculator``): ``speculator.emb.{i}.weight``, ``speculator.proj.{i}.weight``,
 ``speculator.head.{i}.weight``, ``speculator.ln.{i}.weight`` and ``speculator.ln.{i}.bias``. The
 drafter holds its network under the same attribute, so its state_dict already has those names.
+
+Exports: ``hf`` and ``vllm`` are the drafter folder itself, fms-extras' Hugging Face layout
+(``MLPSpeculatorConfig``), which vLLM reads; vLLM's V1 engine does not route ``mlp_speculator`` (vLLM
+issue #47825), and the serve hint says that too. Tests re-implement vLLM's parsing and weight mapping
+and check identical head logits.
 """
 
 from __future__ import annotations
