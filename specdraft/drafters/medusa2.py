@@ -270,7 +270,7 @@ def load_medusa2(path, target) -> Medusa2Drafter:
 
 # -- what the end-of-training eval adds: the adapted target's drift ---------------------------------------
 
-# Mean KL(original || adapted) in nats per token above which the report warns. On SmolLM2 (README, 42 joint
+# Mean KL(original || adapted) in nats per token above which the report warns. On SmolLM2 (eval/README.md, 42 joint
 # steps, eval/bench_medusa2_drift.py) the paper's settings drifted 0.20 and kept 12% of the original's greedy
 # tokens; adapters at a fifth of that lr drifted 0.003 and kept 53%.
 DRIFT_WARNING_KL = 0.05
@@ -305,7 +305,7 @@ def drift_report(target, drafter: Medusa2Drafter, prompts: list[torch.Tensor], m
             f"the adapted target drifted from the original: mean KL {report['mean_kl_original_adapted']:.3f} nats a "
             f"token, greedy agreement {report['greedy_agreement']:.0%}; Medusa-2's acceptance then describes another "
             "model than the one you trained against. The adapters' lr sets the drift: lower optimizer.lr and raise "
-            "drafter.head_lr_multiplier to keep the heads' lr (or lower drafter.heads_coefficient); the README's "
+            "drafter.head_lr_multiplier to keep the heads' lr (or lower drafter.heads_coefficient); eval/README.md's "
             "Medusa-2 drift table measures the trade", stacklevel=2)
     return report
 
