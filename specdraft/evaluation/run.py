@@ -24,6 +24,7 @@ from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
+from specdraft.evaluation.verify_cost import forward_keys, measure_forward_costs
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 
 PLAIN = "plain"
@@ -48,12 +49,15 @@ def evaluate(
     show_progress: bool = True,
     batch_size: int = 1,
     compile_target: bool | str = False,
+    forward_costs: bool = True,
 ) -> dict:
     """Decode every prompt with plain decoding and with each source; return (and write) the report dict.
 
     ``batch_size`` > 1 decodes that many prompts together (``speculative_decode_batch``: chains or trees,
     exact verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput.
-    ``compile_target`` compiles the target's decode forwards, plain decoding's and the verifies' alike."""
+    ``compile_target`` compiles the target's decode forwards, plain decoding's and the verifies' alike.
+    ``forward_costs`` then measures the device's cost of each step width the decodes used
+    (``verify_cost.measure_forward_costs``, on the first prompt) and predicts each method's speedup from them."""
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -129,9 +133,16 @@ def evaluate(
                     bar.update(1)
     bar.close()
 
+    costs = None
+    if forward_costs:
+        outputs = [out for name in methods for _, out in records[name]]
+        costs = measure_forward_costs(target, torch.tensor([warmup_ids], device=device), forward_keys(outputs),
+                                      compile_target=compile_target)
     result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
                                 batch_size, compile_target),
-              "methods": {name: _summaries(records[name], records[PLAIN], k) for name in methods}}  # fmt: skip
+              "methods": {name: _summaries(records[name], records[PLAIN], k, costs) for name in methods}}  # fmt: skip
+    if costs is not None:
+        result["forward_costs"] = costs.to_json()
     if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
         plain_tokens = [out.tokens for _, out in records[PLAIN]]
         result["greedy_identical"] = {
@@ -162,7 +173,7 @@ def _mismatches(target, contexts, records, name, k) -> list[dict]:
     return found
 
 
-def _summaries(records, plain_records, k) -> dict:
+def _summaries(records, plain_records, k, costs=None) -> dict:
     """Overall, per suite and per category; plain decoding of the same prompts gives the speedup."""
 
     def group(key):
@@ -170,11 +181,11 @@ def _summaries(records, plain_records, k) -> dict:
         for value in dict.fromkeys(key(p) for p, _ in records):
             outputs = [o for p, o in records if key(p) == value]
             plain = [o for p, o in plain_records if key(p) == value]
-            out[value] = summarize(outputs, k, plain)
+            out[value] = summarize(outputs, k, plain, costs)
         return out
 
     return {
-        "overall": summarize([o for _, o in records], k, [o for _, o in plain_records]),
+        "overall": summarize([o for _, o in records], k, [o for _, o in plain_records], costs),
         "by_suite": group(lambda p: p.suite),
         "by_category": group(lambda p: p.category),
     }

@@ -1,0 +1,197 @@
+"""What a decode step's target forward costs on this device, per width and batch size, and the speedup
+that predicts from the proposals a run actually made.
+
+Leviathan et al.'s speedup, tau / (v (1 + K c)), assumes K drafts every step and a verify cost v that does
+not depend on the batch. Neither holds: prompt lookup proposes nothing where it finds no match (a step of
+width 1), a compiled verify always runs K+1 wide, and a CPU's (or a large batch's) forward over K+1
+positions costs more than one over 1. So the cost is measured as a curve, seconds per step of each
+``kind`` (plain, chain verify, tree verify) at each ``width`` (positions per row) and batch size, through the
+decoders themselves with a source that proposes a fixed number of drafts (``FixedProposal``): everything a
+step does except drafting (forward, verify, cache rollback, host sync, loop). A run's decodes record every
+forward they made (``DecodeOutput.forwards``: kind, width, drafting seconds), so
+
+    predicted seconds of a decode = its prefill + sum over its forwards (curve(kind, width, batch) + drafting)
+    predicted speedup = (tokens / predicted seconds) / (plain tokens / plain's predicted seconds)
+
+with the prefill and the drafting as measured in the run, and the target's part from the curve.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.contract import Proposal
+from specdraft.decoding.speculative import DecodeOutput
+
+
+@dataclass
+class ForwardCosts:
+    """Seconds per decode step of (kind, width, batch) on one target and device: the curve."""
+
+    seconds: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    device: str = ""
+    context: int = 0  # prompt tokens in the cache when it was measured
+
+    def __call__(self, kind: str, width: int, batch: int) -> float:
+        """Measured, or linear in the width between (or beyond) the two nearest measured widths of that kind
+        and batch (``measure_forward_costs`` samples a kind with many widths, EAGLE-2's dynamic trees)."""
+        if (kind, width, batch) in self.seconds:
+            return self.seconds[(kind, width, batch)]
+        known = sorted(w for k, w, b in self.seconds if (k, b) == (kind, batch))
+        if len(known) < 2:
+            raise KeyError(f"no {kind} step at batch {batch} was measured at width {width} (measured: {known})")
+        lower, upper = [w for w in known if w < width], [w for w in known if w > width]
+        if lower and upper:
+            w0, w1 = lower[-1], upper[0]
+        else:  # beyond the measured widths: the line through the two nearest
+            w0, w1 = upper[:2] if upper else lower[-2:]
+        s0, s1 = self.seconds[(kind, w0, batch)], self.seconds[(kind, w1, batch)]
+        return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
+
+    def relative(self, kind: str, width: int, batch: int) -> float:
+        """v = a step's cost over a plain step's at the same batch size (1 at width 1 on an ideal device)."""
+        return self(kind, width, batch) / self("plain", 1, batch)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ForwardCosts:
+        return cls({(e["kind"], e["width"], e["batch"]): e["seconds"] for e in data["seconds"]}, data["device"],
+                   data["context"])
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "context": self.context,
+                "seconds": [{"kind": k, "width": w, "batch": b, "seconds": s}
+                            for (k, w, b), s in sorted(self.seconds.items())]}  # fmt: skip
+
+
+class FixedProposal:
+    """A draft source that proposes ``drafts`` tokens every step (ids 1..n: a chain, or as a tree all children
+    of the root), and that the target will mostly reject: a step of known width, for timing."""
+
+    tree_kinds = ("static",)
+
+    def __init__(self, drafts: int):
+        self.drafts = drafts
+
+    def start(self, prompt_ids, target_out) -> None:
+        pass
+
+    def propose(self, pending, k, params, generator) -> Proposal:
+        return Proposal(torch.arange(1, 1 + min(self.drafts, k), device=pending.device)[None], None)
+
+    def propose_tree(self, pending, tree, params, generator) -> Proposal:
+        tokens = torch.arange(1, 1 + tree.num_nodes, device=pending.device)[None]
+        return Proposal(tokens, None, torch.tensor([tree.parents], device=pending.device))
+
+    def commit(self, kept_ids, target_out) -> None:
+        pass
+
+
+def flat_tree(nodes: int):
+    """A depth-1 static tree of ``nodes`` children of the root: a tree step of width nodes + 1."""
+    from specdraft.decoding.trees import StaticTree
+
+    return StaticTree(tuple((i,) for i in range(nodes)))
+
+
+def step_decoder(target, prompt_ids: torch.Tensor, kind: str, width: int, batch: int, steps: int = 16,
+                 compile_target: bool | str = False):
+    """A function that decodes ``steps`` steps of ``kind`` at ``width`` and ``batch`` and returns the seconds per
+    step, drafting excluded: (wall clock - prefill - drafting) / steps, through the decoder a run uses (one
+    prompt: ``speculative_decode`` / ``plain_decode``; a batch of copies: ``speculative_decode_batch``)."""
+    from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
+    from specdraft.decoding.speculative import TreeDrafting, plain_decode, speculative_decode
+
+    if kind == "plain":
+        source = None
+    elif kind == "chain" or width == 1:  # a tree of no nodes is a chain of no drafts
+        source = FixedProposal(width - 1)
+    else:
+        source = TreeDrafting(FixedProposal(width - 1), flat_tree(width - 1))
+    k = max(width - 1, 1)  # a chain of width 1 proposes nothing (prompt lookup without a match)
+    common = dict(max_new_tokens=steps + 1, eos_token_ids=None)
+
+    def decode() -> float:
+        if batch > 1:
+            sources = None if source is None else fresh_sources(source, batch)
+            out = speculative_decode_batch(target, sources, [prompt_ids[0]] * batch, k=k, **common)[0]
+        elif source is None:
+            out = plain_decode(target, prompt_ids, compile_target=compile_target, **common)
+        else:
+            out = speculative_decode(target, source, prompt_ids, k=k, compile_target=compile_target, **common)
+        drafting = sum(f.draft_seconds for f in out.forwards)
+        return (out.seconds - out.prefill_seconds - drafting) / len(out.forwards)
+
+    return decode
+
+
+MAX_WIDTHS = 8  # measured per kind and batch; the curve is linear between them
+
+
+def sampled_keys(keys) -> list[tuple[str, int, int]]:
+    """``keys`` with plain at width 1 for every batch, and for a (kind, batch) with more than ``MAX_WIDTHS``
+    widths, that many of them spread from the narrowest to the widest."""
+    keys = set(keys) | {("plain", 1, batch) for _, _, batch in keys}
+    kept = []
+    for kind, batch in sorted({(k, b) for k, _, b in keys}):
+        widths = sorted(w for k, w, b in keys if (k, b) == (kind, batch))
+        if len(widths) > MAX_WIDTHS:
+            widths = sorted({widths[round(i * (len(widths) - 1) / (MAX_WIDTHS - 1))] for i in range(MAX_WIDTHS)})
+        kept += [(kind, w, batch) for w in widths]
+    return kept
+
+
+def measure_forward_costs(target, prompt_ids: torch.Tensor, keys, steps: int = 16, rounds: int = 3,
+                          compile_target: bool | str = False) -> ForwardCosts:
+    """The curve at ``keys`` ((kind, width, batch) triples, ``sampled_keys``), on ``prompt_ids`` [1, L]: after a
+    warm-up decode of each key (allocator, lazy initialisation, compilation), ``rounds`` rounds that each decode
+    every key once, and per key the median over the rounds. Interleaved, so that a busy spell of the machine
+    slows one round of every key rather than every round of one."""
+    decoders = {key: step_decoder(target, prompt_ids, *key, steps, compile_target) for key in sampled_keys(keys)}
+    for decode in decoders.values():
+        decode()
+    samples = {key: [] for key in decoders}
+    for _ in range(rounds):
+        for key, decode in decoders.items():
+            samples[key].append(decode())
+    return ForwardCosts({key: statistics.median(values) for key, values in samples.items()}, str(prompt_ids.device),
+                        prompt_ids.shape[1])
+
+
+def forward_keys(outputs: list[DecodeOutput]) -> set[tuple[str, int, int]]:
+    """Every (kind, width, batch) the decodes ran: what the curve must price."""
+    return {(f.kind, f.width, o.batch_rows) for o in outputs for f in o.forwards}
+
+
+def predicted_seconds(output: DecodeOutput, costs: ForwardCosts) -> float:
+    """The decode call's wall clock as the curve prices it: the measured prefill (and source start), then each
+    forward at its kind, width and the call's batch size, plus that step's measured drafting."""
+    return output.prefill_seconds + sum(costs(f.kind, f.width, output.batch_rows) + f.draft_seconds
+                                        for f in output.forwards)
+
+
+def predicted_speedup_from_forwards(outputs: list[DecodeOutput], plain_outputs: list[DecodeOutput],
+                                    costs: ForwardCosts) -> float | None:
+    """(tokens / predicted seconds) over plain decoding's, each decode priced by ``predicted_seconds`` (every row
+    of a batch charged its call's clock, as tokens/s per request is measured)."""
+    spec = sum(predicted_seconds(o, costs) for o in outputs)
+    plain = sum(predicted_seconds(o, costs) for o in plain_outputs)
+    tokens, plain_tokens = sum(len(o.tokens) for o in outputs), sum(len(o.tokens) for o in plain_outputs)
+    if not spec or not plain or not plain_tokens:
+        return None
+    return (tokens / spec) / (plain_tokens / plain)
+
+
+def format_curve(costs: ForwardCosts) -> str:
+    """A Markdown table: ms per step and v = step / plain step, one row per (kind, width), one column per batch."""
+    batches = sorted({b for _, _, b in costs.seconds})
+    rows = sorted({(k, w) for k, w, _ in costs.seconds}, key=lambda kw: (kw[0] != "plain", kw[0], kw[1]))
+    lines = ["| step | width | " + " | ".join(f"batch {b}: ms (v)" for b in batches) + " |",
+             "|---|---:|" + "---:|" * len(batches)]
+    for kind, width in rows:
+        cells = [f"{costs(kind, width, b) * 1e3:.2f} ({costs.relative(kind, width, b):.2f})"
+                 if (kind, width, b) in costs.seconds else "-" for b in batches]
+        lines.append(f"| {kind} | {width} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
