@@ -86,8 +86,9 @@ def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt], str]:
 
 
 def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
-                   dtype: str) -> tuple[Path, dict]:
-    """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl.
+                   dtype: str, batch_size: int = 16, device: str | None = None) -> tuple[Path, dict]:
+    """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl (answered on
+    ``device``, default the CPU, ``batch_size`` prompts at a time).
 
     Every answer the target gave under these settings accumulates in NAME.all.jsonl, which
     ``regenerate`` resumes by prompt id: asking for more prompts later answers only the new ones,
@@ -114,11 +115,11 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     todo = [p for p in prompts if p[id_field] not in answered]
     record = saved.get("record", {})
     if todo:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype)).to(device or "cpu")
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         started = time.perf_counter()
         written = regenerate(model, tokenizer, write_jsonl(work / "data" / f"{name}.prompts.jsonl", todo), everything,
-                             max_new_tokens=max_new_tokens, batch_size=16)
+                             max_new_tokens=max_new_tokens, batch_size=batch_size)
         seconds = time.perf_counter() - started
         print(f"the target answered {written} prompts in {seconds:.0f} s ({written / seconds:.2f} prompts/s)")
         record = {"answered_in_last_run": written, "seconds": round(seconds, 1),

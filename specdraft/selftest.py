@@ -88,6 +88,7 @@ class Setup:
     train_dtype: str = "float32"  # the target's, in training
     mixed_precision: str = "no"
     runs: dict = field(default_factory=dict)  # family -> its trained run folder (train -> decode)
+    decoding: tuple | None = None  # (the shared float32 target, {family: drafter on it}), made once
 
 
 # -- environment ----------------------------------------------------------------------------------------
@@ -323,8 +324,11 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
 
     if family not in setup.runs:
         return None, "its training failed: nothing to decode"
-    target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
-    drafter = load_drafter(setup.runs[family] / "drafter", target).eval()
+    target, drafters = shared_decoding(setup)
+    drafter = drafters.get(family)
+    if drafter is None:  # it trains adapters inside the target (Medusa-2): a target of its own
+        target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
+        drafter = load_drafter(setup.runs[family] / "drafter", target).eval()
     prompts = [torch.tensor([ids], device=setup.device) for ids in decoding_prompts(target.tokenizer, 4)]
     eos = target.tokenizer.eos_token_id
     expected = [_generate(target.model, ids, max_new_tokens, eos) for ids in prompts]
@@ -366,6 +370,24 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
     if wrong:
         return False, f"{len(wrong)} decodes differ from generate(): {'; '.join(wrong[:4])} ({detail})"
     return True, "identical to generate(): " + detail
+
+
+def shared_decoding(setup: Setup):
+    """One float32 target with every trained drafter that leaves it frozen loaded on it, before any decodes: its
+    needs (EAGLE's taps) are then final, so compile_target's graphs, one per step width, serve every family."""
+    from .drafters import load_drafter
+    from .target import FrozenTarget, resolve_target_path
+
+    if setup.decoding is None:
+        target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
+        drafters = {}
+        for family, run_dir in setup.runs.items():
+            # Loaded on a copy first: a drafter that puts adapters into its target (Medusa-2) keeps that copy.
+            own = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
+            if not load_drafter(run_dir / "drafter", own).needs.trains_adapters:
+                drafters[family] = load_drafter(run_dir / "drafter", target).eval()
+        setup.decoding = (target, drafters)
+    return setup.decoding
 
 
 def _generate(model, ids, max_new_tokens: int, eos: int) -> list[int]:
