@@ -128,14 +128,14 @@ def _version(name: str) -> str:
 
 
 def check_verify_agreement(setup: Setup, tree: bool) -> tuple[bool | None, str]:
-    from .selftest_verify import agreement_grid, compare_chains, compare_trees
+    from .selftest_verify import agreement_grid, compare
 
     if _version("triton") == "not installed":
         return None, "triton is not installed: the reference verifies on this device, nothing to compare"
     if setup.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return None, "the kernels run on a CPU only in Triton's interpreter, set before triton was first used"
     grid = agreement_grid(setup.device, setup.quick)
-    rows, failures = (compare_trees if tree else compare_chains)(grid, setup.device)
+    rows, failures = compare(grid, setup.device, tree)
     where = "compiled" if setup.device.type == "cuda" else "in Triton's interpreter"
     detail = (f"kernel ({where}) == reference on {rows} random rows: V in {list(grid.vocabs)}, batch "
               f"{list(grid.batches)}, {'nodes' if tree else 'K'} in {list(grid.max_drafts)}")
@@ -298,16 +298,21 @@ class _deterministic:
 
 
 def decoding_prompts(tokenizer, count: int) -> list[list[int]]:
+    """``count`` chat prompts of 40 to 60 tokens asking for definitions in the toy's held-out files: similar
+    lengths, so that compile_target's cache sizes (powers of two) are few and its graphs few."""
+    import sysconfig
+
     from .evaluation.suites import Prompt, prompt_token_ids
     from .toy_target import definition_prompts
 
-    import sysconfig
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    asks = [ask for name in PROMPT_FILES
-            for ask, _ in definition_prompts(name, (stdlib / name).read_text(encoding="utf-8"))][:count]
-    return [prompt_token_ids(tokenizer, Prompt(str(i), "selftest", "code", "question", [ask]))
-            for i, ask in enumerate(asks)]
+    asks = [ask for name in PROMPT_FILES for ask, _ in definition_prompts(name, (stdlib / name).read_text(encoding="utf-8"))]
+    ids = [prompt_token_ids(tokenizer, Prompt(str(i), "selftest", "code", "question", [ask])) for i, ask in enumerate(asks)]
+    chosen = [x for x in ids if 40 <= len(x) <= 60][:count]
+    if len(chosen) < count:
+        raise SpecdraftError(f"the standard library's {', '.join(PROMPT_FILES)} gave {len(chosen)} prompts of 40 to 60 "
+                             f"tokens, fewer than {count}")
+    return chosen
 
 
 def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool | None, str]:

@@ -130,34 +130,21 @@ def tree_depth(parents: torch.Tensor, cu: torch.Tensor) -> int:
     return deepest
 
 
-def compare_chains(grid: Grid, device) -> tuple[int, list[str]]:
-    """(rows compared, disagreements) of ``verify_triton`` against ``verify_reference`` over the grid."""
+def compare(grid: Grid, device, tree: bool) -> tuple[int, list[str]]:
+    """(rows compared, disagreements) of the Triton kernel against the reference over the grid: ``verify_triton``
+    for chains, ``verify_tree_triton`` for trees (each batch's max_depth its deepest tree)."""
+    make, reference, kernel = ((random_tree_batch, verify_tree_reference, verify_tree_triton) if tree
+                               else (random_chain_batch, verify_reference, verify_triton))
     rows, failures = 0, []
     for case, (vocab, batch, k, dtype, with_q, seed) in enumerate(
             (v, b, k, d, q, s) for v in grid.vocabs for b in grid.batches for k in grid.max_drafts
             for d in grid.dtypes for q in (True, False) for s in range(grid.seeds)):
-        inputs = random_chain_batch(1000 * case + seed, batch, vocab, k, dtype, with_q, device)
-        ref = verify_reference(*inputs, max_spec_len=k)
-        out = verify_triton(*inputs, max_spec_len=k)
+        inputs = make(1000 * case + seed, batch, vocab, k, dtype, with_q, device)
+        size = {"max_depth": tree_depth(inputs[1].cpu(), inputs[2].cpu())} if tree else {"max_spec_len": k}
+        ref, out = reference(*inputs, **size), kernel(*inputs, **size)
         rows += batch
         if not all(torch.equal(a, b) for a, b in zip(out, ref)):
-            failures.append(f"V={vocab} batch={batch} K={k} {str(dtype)[6:]} q={with_q}")
-    return rows, failures
-
-
-def compare_trees(grid: Grid, device) -> tuple[int, list[str]]:
-    """(rows compared, disagreements) of ``verify_tree_triton`` against ``verify_tree_reference``."""
-    rows, failures = 0, []
-    for case, (vocab, batch, k, dtype, with_q, seed) in enumerate(
-            (v, b, k, d, q, s) for v in grid.vocabs for b in grid.batches for k in grid.max_drafts
-            for d in grid.dtypes for q in (True, False) for s in range(grid.seeds)):
-        inputs = random_tree_batch(1000 * case + seed, batch, vocab, k, dtype, with_q, device)
-        depth = tree_depth(inputs[1].cpu(), inputs[2].cpu())
-        ref = verify_tree_reference(*inputs, max_depth=depth)
-        out = verify_tree_triton(*inputs, max_depth=depth)
-        rows += batch
-        if not all(torch.equal(a, b) for a, b in zip(out, ref)):
-            failures.append(f"V={vocab} batch={batch} nodes<={k} {str(dtype)[6:]} q={with_q}")
+            failures.append(f"V={vocab} batch={batch} {'nodes' if tree else 'K'}<={k} {str(dtype)[6:]} q={with_q}")
     return rows, failures
 
 

@@ -14,6 +14,7 @@ from specdraft.evaluation.verify_cost import (
     flat_tree,
     forward_keys,
     measure_forward_costs,
+    plain_step_seconds,
     predicted_seconds,
     predicted_speedup_from_forwards,
     sampled_keys,
@@ -39,15 +40,17 @@ COSTS = ForwardCosts({("plain", 1, 1): 0.010, ("chain", 1, 1): 0.011, ("chain", 
                       ("plain", 1, 4): 0.012, ("chain", 6, 4): 0.040, ("chain", 2, 4): 0.016})
 
 
-def test_a_decode_is_priced_forward_by_forward_at_its_own_width():
-    # 3 steps of 5 drafts (width 6) and 2 steps where the source found nothing (width 1), as prompt lookup does
+def test_a_decode_is_priced_forward_by_forward_at_its_own_width_in_plain_steps_of_the_same_run():
+    # 3 steps of 5 drafts (width 6: v = 2.0) and 2 steps where the source found nothing (width 1: v = 1.1),
+    # as prompt lookup does
     forwards = [Forward("chain", 6, 0.002)] * 3 + [Forward("chain", 1, 0.0005)] * 2
     out = DecodeOutput(list(range(12)), [], prefill_seconds=0.05, seconds=0.2, forwards=forwards)
-    assert predicted_seconds(out, COSTS) == pytest.approx(0.05 + 3 * (0.020 + 0.002) + 2 * (0.011 + 0.0005))
     plain = DecodeOutput(list(range(12)), [], prefill_seconds=0.04, seconds=0.2, forwards=[Forward("plain", 1, 0)] * 11)
-    assert predicted_seconds(plain, COSTS) == pytest.approx(0.04 + 11 * 0.010)
-    spec_rate, plain_rate = 12 / (0.05 + 3 * 0.022 + 2 * 0.0115), 12 / (0.04 + 0.11)
-    assert predicted_speedup_from_forwards([out], [plain], COSTS) == pytest.approx(spec_rate / plain_rate)
+    step = (0.2 - 0.04) / 11  # this run's plain step, the unit the curve's relative costs are priced in
+    assert plain_step_seconds([plain]) == {1: pytest.approx(step)}
+    expected = 0.05 + 3 * (2.0 * step + 0.002) + 2 * (1.1 * step + 0.0005)
+    assert predicted_seconds(out, COSTS, {1: step}) == pytest.approx(expected)
+    assert predicted_speedup_from_forwards([out], [plain], COSTS) == pytest.approx((12 / expected) / (12 / 0.2))
 
 
 def test_the_rows_of_a_batch_are_each_charged_their_calls_forwards_at_that_batch_size():
@@ -55,9 +58,11 @@ def test_the_rows_of_a_batch_are_each_charged_their_calls_forwards_at_that_batch
     rows = [DecodeOutput([1, 2, 3], [], 0.1, 0.5, batch_rows=4, forwards=call) for _ in range(4)]
     plain_call = [Forward("plain", 1, 0.0)] * 2
     plain = [DecodeOutput([1, 2, 3], [], 0.1, 0.4, batch_rows=4, forwards=plain_call) for _ in range(4)]
-    call_seconds = 0.1 + (0.040 + 0.003) + (0.016 + 0.001)
-    assert all(predicted_seconds(row, COSTS) == pytest.approx(call_seconds) for row in rows)
-    assert predicted_speedup_from_forwards(rows, plain, COSTS) == pytest.approx((0.1 + 2 * 0.012) / call_seconds)
+    step = 0.15  # (0.4 - 0.1) / 2 forwards, per call
+    call_seconds = 0.1 + (0.040 / 0.012 * step + 0.003) + (0.016 / 0.012 * step + 0.001)  # v at batch 4
+    assert all(predicted_seconds(row, COSTS, {4: step}) == pytest.approx(call_seconds) for row in rows)
+    assert predicted_speedup_from_forwards(rows, plain, COSTS) == pytest.approx(0.4 / call_seconds)
+    assert predicted_speedup_from_forwards(rows, plain[:0], COSTS) is None  # no plain decoding at that batch
 
 
 def test_widths_not_measured_are_read_off_the_line_between_the_nearest_two():
@@ -130,3 +135,22 @@ def test_measured_curve_prices_every_key(target):
     assert set(costs.seconds) == keys | {("plain", 1, 1), ("plain", 1, 2)}
     assert all(s > 0 for s in costs.seconds.values())
     assert ForwardCosts.from_json(costs.to_json()).seconds == costs.seconds
+
+
+def test_precompile_makes_every_first_turn_cache_size_before_anything_is_timed(target, monkeypatch):
+    """evaluate(compile_target=...) compiles a graph per (cache size, step width, tree) up front: here the calls
+    it makes, recorded instead of compiled (a prompt near the context end gets the budget that is left)."""
+    from specdraft.decoding import compiled_verify as compiled_verify_module
+    from specdraft.evaluation.run import precompile
+
+    calls = []
+
+    class Recording:
+        def new_cache(self, positions, width, tree=False):
+            calls.append((positions, width, tree))
+
+    monkeypatch.setattr(compiled_verify_module, "compiled_verify", lambda target, mode: Recording())
+    widths = {(1, False), (6, False), (9, True)}
+    precompile(target, True, [10, 40, 10, 500], 20, widths)
+    context = target.config.max_position_embeddings  # 512: the 500-token prompt has 12 tokens of budget left
+    assert sorted(calls) == sorted((min(length + 20, context), w, t) for length in (10, 40, 500) for w, t in widths)

@@ -18,7 +18,14 @@ from tqdm.auto import tqdm
 from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
-from specdraft.decoding.speculative import DecodeOutput, TreeDrafting, plain_decode, speculative_decode
+from specdraft.decoding.speculative import (
+    DecodeOutput,
+    TreeDrafting,
+    check_decode_args,
+    most_drafts,
+    plain_decode,
+    speculative_decode,
+)
 from specdraft.decoding.trees import NAMED_TREES, parse_tree
 from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
@@ -93,6 +100,11 @@ def evaluate(
 
     # Warm up every method (lazy initialisation, allocator) so the first timed decode is not penalised.
     warmup_ids = prompt_token_ids(tokenizer, prompts[0], prefix_tokens=prefix_tokens)
+    if compile_target:  # and compile the verify for every cache size the first turns need, not while timing them
+        first_turns = [len(prompt_token_ids(tokenizer, p, prefix_tokens=prefix_tokens)) for p in prompts]
+        widths = {(1, False) if s is None else (1 + most_drafts(s, drafts_per_step(s)), isinstance(s, TreeDrafting))
+                  for s in methods.values()}  # the steps' width (plain: 1), and whether they verify trees
+        precompile(target, compile_target, first_turns, max_new_tokens, widths)
     for source in methods.values():
         decode(source, warmup_ids, seed, min(8, max_new_tokens))
 
@@ -156,6 +168,20 @@ def evaluate(
     if wandb_run is not None:
         report.log_wandb(result, wandb_run)
     return result
+
+
+def precompile(target, mode: bool | str, prompt_lengths: list[int], max_new_tokens: int,
+               widths: set[tuple[int, bool]]) -> None:
+    """``compile_target``'s graphs for every (cache size, step width, tree) these prompts will decode with, made by
+    ``CompiledVerify.new_cache`` as a decode makes them, but before the clock starts (a later turn's longer
+    context may still meet a new cache size)."""
+    from specdraft.decoding.compiled_verify import compiled_verify
+
+    forward = compiled_verify(target, mode)
+    for length in sorted(set(prompt_lengths)):
+        budget = check_decode_args(target, torch.zeros(1, length, dtype=torch.long), max_new_tokens)
+        for width, tree in sorted(widths):
+            forward.new_cache(length + budget, width, tree)
 
 
 def _mismatches(target, contexts, records, name, k) -> list[dict]:

@@ -10,10 +10,12 @@ decoders themselves with a source that proposes a fixed number of drafts (``Fixe
 step does except drafting (forward, verify, cache rollback, host sync, loop). A run's decodes record every
 forward they made (``DecodeOutput.forwards``: kind, width, drafting seconds), so
 
-    predicted seconds of a decode = its prefill + sum over its forwards (curve(kind, width, batch) + drafting)
-    predicted speedup = (tokens / predicted seconds) / (plain tokens / plain's predicted seconds)
+    predicted seconds of a decode = its prefill + sum over its forwards (v(kind, width, batch) t_plain + drafting)
+    predicted speedup = (tokens / predicted seconds) / (plain decoding's tokens / seconds)
 
-with the prefill and the drafting as measured in the run, and the target's part from the curve.
+with v = curve(kind, width, batch) / curve(plain, 1, batch) the relative cost of a step, t_plain the seconds of
+a plain step at that batch size in the same run (so the context lengths and the machine's load of the run set
+the scale, and the curve only the shape), and the prefill and the drafting as measured in the run.
 """
 
 from __future__ import annotations
@@ -165,19 +167,34 @@ def forward_keys(outputs: list[DecodeOutput]) -> set[tuple[str, int, int]]:
     return {(f.kind, f.width, o.batch_rows) for o in outputs for f in o.forwards}
 
 
-def predicted_seconds(output: DecodeOutput, costs: ForwardCosts) -> float:
+def plain_step_seconds(plain_outputs: list[DecodeOutput]) -> dict[int, float]:
+    """Batch size -> seconds per plain decoding step in this run (prefill excluded): the unit a run's verify
+    steps are priced in, measured beside them, at the same contexts and on the same busy or idle machine."""
+    seconds, steps = {}, {}
+    for o in plain_outputs:
+        seconds[o.batch_rows] = seconds.get(o.batch_rows, 0.0) + o.seconds - o.prefill_seconds
+        steps[o.batch_rows] = steps.get(o.batch_rows, 0) + len(o.forwards)
+    return {batch: seconds[batch] / steps[batch] for batch in seconds if steps[batch]}
+
+
+def predicted_seconds(output: DecodeOutput, costs: ForwardCosts, plain_step: dict[int, float]) -> float:
     """The decode call's wall clock as the curve prices it: the measured prefill (and source start), then each
-    forward at its kind, width and the call's batch size, plus that step's measured drafting."""
-    return output.prefill_seconds + sum(costs(f.kind, f.width, output.batch_rows) + f.draft_seconds
+    forward at the curve's relative cost of its kind and width at the call's batch size, in plain steps of this
+    run (``plain_step``), plus that step's measured drafting."""
+    batch = output.batch_rows
+    return output.prefill_seconds + sum(costs.relative(f.kind, f.width, batch) * plain_step[batch] + f.draft_seconds
                                         for f in output.forwards)
 
 
 def predicted_speedup_from_forwards(outputs: list[DecodeOutput], plain_outputs: list[DecodeOutput],
                                     costs: ForwardCosts) -> float | None:
-    """(tokens / predicted seconds) over plain decoding's, each decode priced by ``predicted_seconds`` (every row
-    of a batch charged its call's clock, as tokens/s per request is measured)."""
-    spec = sum(predicted_seconds(o, costs) for o in outputs)
-    plain = sum(predicted_seconds(o, costs) for o in plain_outputs)
+    """(tokens / predicted seconds) over plain decoding's measured tokens/s, each decode priced by
+    ``predicted_seconds`` (every row of a batch charged its call's clock, as tokens/s per request is measured)."""
+    plain_step = plain_step_seconds(plain_outputs)
+    if any(o.batch_rows not in plain_step for o in outputs):
+        return None
+    spec = sum(predicted_seconds(o, costs, plain_step) for o in outputs)
+    plain = sum(o.seconds for o in plain_outputs)
     tokens, plain_tokens = sum(len(o.tokens) for o in outputs), sum(len(o.tokens) for o in plain_outputs)
     if not spec or not plain or not plain_tokens:
         return None
