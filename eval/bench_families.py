@@ -311,7 +311,8 @@ def prediction_table(by_batch: dict, adapted_by_batch: dict) -> str:
                     continue
                 cells = ["-" if s[key] is None else f"{s[key]:.2f}x ({s[key] / s['speedup'] - 1:+.0%})"
                          for _, key in PREDICTIONS]
-                lines.append(f"| {batch} | {temperature:g} | {method} | {s['speedup']:.2f}x | " + " | ".join(cells) + " |")
+                lines.append(f"| {batch} | {temperature:g} | {method} | {s['speedup']:.2f}x | "
+                             + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

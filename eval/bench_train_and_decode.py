@@ -49,8 +49,9 @@ from specdraft.target import FrozenTarget, resolve_target_path
 from specdraft.train import train
 
 RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m", "toy": "toy"}
-COLUMNS = (("tau", "acceptance_length", ".2f"), ("alpha", "alpha_measured", ".3f"), ("tok/s", "tokens_per_second", ".1f"),
-           ("speedup", "speedup", ".2f"), ("pred @ proposals", "predicted_speedup_from_proposals", ".2f"))
+COLUMNS = (("tau", "acceptance_length", ".2f"), ("alpha", "alpha_measured", ".3f"),
+           ("tok/s", "tokens_per_second", ".1f"), ("speedup", "speedup", ".2f"),
+           ("pred @ proposals", "predicted_speedup_from_proposals", ".2f"))
 
 
 def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt]]:
@@ -67,8 +68,8 @@ def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt]]:
             per_category.setdefault(prompt.category, []).append(prompt)
         evals = [p for group in per_category.values() for p in group[: args.per_category]]
         return records[: args.num_train_prompts], records[len(records) - args.heldout_answers :], evals
-    train, heldout = toy_definitions("train", args.num_train_prompts), toy_definitions("heldout",
-                                                                                     args.heldout_answers + 4 * args.per_category)
+    train = toy_definitions("train", args.num_train_prompts)
+    heldout = toy_definitions("heldout", args.heldout_answers + 4 * args.per_category)
     prompts = [Prompt(str(p["question_id"]), "stdlib", p["category"], "question", p["turns"])
                for p in heldout[args.heldout_answers :]]
     return train, heldout[: args.heldout_answers], prompts
@@ -87,7 +88,8 @@ def toy_definitions(split: str, count: int) -> list[dict]:
         if len(prompts) >= 2 * count:
             break
     random.Random(0).shuffle(prompts)
-    return [{"question_id": f"{split}-{i}", "category": p.split()[2], "turns": [p]} for i, p in enumerate(prompts[:count])]
+    return [{"question_id": f"{split}-{i}", "category": p.split()[2], "turns": [p]}
+            for i, p in enumerate(prompts[:count])]
 
 
 def train_for(family: str, recipe_path: Path, overrides: list[str], run_dir: Path, minutes: float,

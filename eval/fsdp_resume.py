@@ -23,10 +23,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from specdraft.selftest import Setup, family_recipe, toy_chat_data, TRAIN_FILES
+from specdraft.selftest import TRAIN_FILES, TRAIN_STEPS as STEPS, Setup, family_recipe, toy_chat_data
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 8
 
 
 # What accelerate makes of the launcher config: printed by a process launched like the training runs.
@@ -48,7 +47,8 @@ def launch(config: Path, cpu: bool, *program: str) -> subprocess.CompletedProces
 
 
 def train_run(config: Path, recipe: Path, cpu: bool, resume: bool) -> subprocess.CompletedProcess:
-    return launch(config, cpu, "-m", "specdraft", "train", str(recipe), "--no-progress", *(["--resume"] if resume else []))
+    return launch(config, cpu, "-m", "specdraft", "train", str(recipe), "--no-progress",
+                  *(["--resume"] if resume else []))
 
 
 def main() -> int:

@@ -18,11 +18,14 @@
 # Each step's output goes to OUTDIR/gpu_check.log and its tables to OUTDIR (summary.md lists every step's
 # result and seconds); a failing step does not stop the others, and the script exits 1 at the end if any failed.
 #
-# With the device tool (nothing to carry: the GPU machine has torch, transformers, triton, accelerate, peft
+# With the device tool: nothing to carry (the GPU machine has torch, transformers, triton, accelerate, peft
 # and safetensors; it lacks datasets, wandb, deepspeed and gguf, which this check does not use: local data
-# reads without datasets, specdraft/data/records.py; wandb and deepspeed are imported only when asked for):
-#   run(command="bash eval/gpu_check.sh $OUT/gpu-check", timeout_s=480)
-# and the tables come back under the files_at folder: gpu-check/summary.md, selftest/selftest.md, ...
+# reads without datasets, specdraft/data/records.py; wandb and deepspeed are imported only when asked for).
+# At most 8 files come back from $OUT, so the folder travels as one archive, with the summary beside it:
+#   run(command="bash eval/gpu_check.sh /tmp/gpu-check; rc=$?; cp /tmp/gpu-check/summary.md $OUT/;
+#       tar czf $OUT/gpu-check.tgz -C /tmp gpu-check; exit $rc", timeout_s=480)
+# Estimated, not yet measured (no GPU has run it): install 10 s, selftest 2-3 min, kernels 90 s, train 30 s,
+# launcher 40 s, decode 90 s. Over 6 minutes: drop a step by commenting it out, and say which.
 #
 # A CPU dry run of every step at small sizes (so the next GPU holder finds no silly bug; about 12 minutes on
 # 2 busy cores; step 3 needs eval/bench_kernels.py from the kernels change of issue 31):

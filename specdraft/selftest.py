@@ -57,12 +57,14 @@ FAMILY_SETTINGS = {
     "eagle3": {"ttt_steps": K, "draft_vocab_size": 1024},
     "medusa1": {"num_heads": K, "num_layers": 1},
     "medusa2": {"num_heads": K, "num_layers": 1, "lora_r": 8, "joint_from_step": 0},
-    "mlp_speculator": {"n_predict": K},
+    "mlp_speculator": {"n_predict": K, "stage2_start_step": 4, "stage2_prompt_length": 16,  # stage 2 (the target
+                       "stage2_new_tokens": 16, "stage2_prompts_per_row": 1},  # generates) for the last 4 of 8 steps
     "distillspec": {"num_layers": 2, "on_policy_fraction": 0.5, "generation_max_new_tokens": 16},
 }
 # Files of the toy target's training split (definitions of their functions are the chat data) and of its
 # held-out split (the decoding checks' prompts); every Python 3 has them.
 TRAIN_FILES = ("textwrap.py", "shlex.py", "string.py")
+TRAIN_STEPS = 8  # 2 epochs of 16 training samples in micro-batches of 4: both epochs see every sample
 PROMPT_FILES = ("fnmatch.py", "bisect.py")
 
 
@@ -104,7 +106,8 @@ def environment(device) -> dict[str, str]:
     info["device"] = str(device)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info["GPU"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability {props.major}.{props.minor}"
+        info["GPU"] = (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
+                       f"{props.major}.{props.minor}")
         info["bf16"] = "supported" if torch.cuda.is_bf16_supported() else "NOT supported (training uses float32)"
     else:
         info["GPU"] = "none" if not torch.cuda.is_available() else f"{torch.cuda.get_device_name()} (not used)"
@@ -185,13 +188,9 @@ def toy_chat_data(path: Path, files: tuple[str, ...], count: int) -> Path:
 
 def family_recipe(setup: Setup, family: str, data: Path, run_dir: Path, steps: int) -> dict:
     """A recipe for ``family`` on the toy target: 4 micro-batches an epoch, a checkpoint at half the steps."""
-    settings = dict(FAMILY_SETTINGS[family])
-    if family == "mlp_speculator":  # stage 2 (the target generates) for the second half
-        settings.update(stage2_start_step=steps // 2, stage2_prompt_length=16, stage2_new_tokens=16,
-                        stage2_prompts_per_row=1)
     return {
         "target": {"path": "toy", "dtype": setup.train_dtype, "taps": "auto"},
-        "drafter": {"family": family, **settings},
+        "drafter": {"family": family, **FAMILY_SETTINGS[family]},
         "data": {"path": str(data), "format": "messages", "max_length": 128, "eval_fraction": 0.2},
         "optimizer": {"lr": 3e-3, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.5},
         "training": {"max_steps": steps, "micro_batch_size": 4, "grad_accumulation": 1,
@@ -211,7 +210,7 @@ def check_training(setup: Setup, family: str, data: Path) -> tuple[bool, str]:
     from .config import parse_recipe
     from .train import train
 
-    steps = 8  # 2 epochs of the 16 training samples: both epochs see every sample
+    steps = TRAIN_STEPS
     run_dir = setup.work / "runs" / family
     raw = family_recipe(setup, family, data, run_dir, steps)
     with _deterministic(setup.device):
@@ -227,17 +226,19 @@ def check_training(setup: Setup, family: str, data: Path) -> tuple[bool, str]:
         shutil.rmtree(resumed / "checkpoints" / f"step-{steps:07d}")
         raw["checkpoint"]["output_dir"] = str(resumed)
         train(parse_recipe(raw), resume=True, show_progress=False)
-    straight, again = load_file(run_dir / "drafter" / "model.safetensors"), load_file(resumed / "drafter" / "model.safetensors")
-    differ = [name for name in straight if not torch.equal(straight[name], again[name])]
+    straight = load_file(run_dir / "drafter" / "model.safetensors")
+    again = load_file(resumed / "drafter" / "model.safetensors")
+    differ = [name for name in straight if name not in again or not torch.equal(straight[name], again[name])]
+    resume = (f"identical ({len(straight)} tensors)" if not differ and straight.keys() == again.keys()
+              else f"DIFFERENT ({len(differ)} of {len(straight)} tensors, e.g. {differ[:2]})")
     if differ or straight.keys() != again.keys():
-        problems.append(f"resumed from step {steps // 2}, {len(differ)} of {len(straight)} tensors differ "
-                        f"(e.g. {differ[:2]})")
+        problems.append(f"resumed from step {steps // 2}: {resume}")
     exports = check_exports(setup, family, run_dir)
     problems += [f"export {fmt}: {verdict}" for fmt, verdict in exports.items() if verdict != "identical"]
     setup.runs[family] = run_dir
-    detail = (f"loss {first:.3f} -> {last:.3f} in {steps} {setup.mixed_precision if setup.mixed_precision != 'no' else 'fp32'} "
-              f"steps; resume from step {steps // 2} identical ({len(straight)} tensors); exports "
-              f"{', '.join(f'{fmt} {verdict}' for fmt, verdict in exports.items())}")
+    precision = "fp32" if setup.mixed_precision == "no" else setup.mixed_precision
+    detail = (f"loss {first:.3f} -> {last:.3f} in {steps} {precision} steps; resume from step {steps // 2} {resume}; "
+              f"exports {', '.join(f'{fmt} {verdict}' for fmt, verdict in exports.items())}")
     return (False, "; ".join(problems) + f" ({detail})") if problems else (True, detail)
 
 
@@ -306,8 +307,10 @@ def decoding_prompts(tokenizer, count: int) -> list[list[int]]:
     from .toy_target import definition_prompts
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    asks = [ask for name in PROMPT_FILES for ask, _ in definition_prompts(name, (stdlib / name).read_text(encoding="utf-8"))]
-    ids = [prompt_token_ids(tokenizer, Prompt(str(i), "selftest", "code", "question", [ask])) for i, ask in enumerate(asks)]
+    asks = [ask for name in PROMPT_FILES
+            for ask, _ in definition_prompts(name, (stdlib / name).read_text(encoding="utf-8"))]
+    ids = [prompt_token_ids(tokenizer, Prompt(str(i), "selftest", "code", "question", [ask]))
+           for i, ask in enumerate(asks)]
     chosen = [x for x in ids if 40 <= len(x) <= 60][:count]
     if len(chosen) < count:
         raise SpecdraftError(f"the standard library's {', '.join(PROMPT_FILES)} gave {len(chosen)} prompts of 40 to 60 "
@@ -437,7 +440,8 @@ def pick_device(requested: str | None):
     try:
         device = torch.device(requested)
     except RuntimeError as e:
-        raise SpecdraftError(f"--device {requested!r} is not a device torch knows ({e}); use cuda, cuda:N or cpu") from e
+        raise SpecdraftError(f"--device {requested!r} is not a device torch knows ({e}); use cuda, cuda:N or "
+                             "cpu") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         build = f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, but no GPU or driver answers" \
             if torch.version.cuda else f"torch {torch.__version__} is a CPU build"
@@ -471,7 +475,8 @@ def selftest(device=None, quick: bool = False, out: str | Path = "selftest", fam
 
     device = pick_device(device) if not isinstance(device, torch.device) else device
     out = writable_folder(Path(out))
-    if device.type == "cpu" and not torch.cuda.is_available() and "specdraft.kernels.rejection_sampler" not in sys.modules:
+    kernels_imported = "specdraft.kernels.rejection_sampler" in sys.modules
+    if device.type == "cpu" and not torch.cuda.is_available() and not kernels_imported:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels' logic, checked in Triton's interpreter
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (the resume check)
@@ -526,7 +531,8 @@ def selftest(device=None, quick: bool = False, out: str | Path = "selftest", fam
                   + curve)
         verdict = f"{len(failed)} of {len(checks)} checks FAILED" if failed else f"all {len(checks)} checks passed"
         print(f"\n{verdict} in {seconds:.0f} s; report: {out / 'selftest.md'}, {out / 'selftest.json'}; what the "
-              f"checks printed: {out / 'selftest.log'}" + (f"; tracebacks: {out / 'selftest-errors.log'}" if failed else ""))
+              f"checks printed: {out / 'selftest.log'}"
+              + (f"; tracebacks: {out / 'selftest-errors.log'}" if failed else ""))
     if not failed:
         shutil.rmtree(work, ignore_errors=True)
     return checks

@@ -114,7 +114,8 @@ def random_tree_batch(seed: int, batch: int, vocab: int, max_nodes: int, dtype, 
             rows.append(row)
         root += count + 1
     draft_probs = q[torch.tensor(rows, dtype=torch.long, device=device)].to(dtype) if with_q else None
-    return (torch.tensor(tokens, dtype=torch.long, device=device), torch.tensor(parents, dtype=torch.long, device=device),
+    return (torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(parents, dtype=torch.long, device=device),
             counts.cumsum(0).to(device), draft_probs, p.to(dtype), draw_uniforms(n, g, device),
             _race_noise(g, batch, vocab, device), torch.rand(batch, generator=g, device=device) < 0.3)
 

@@ -146,8 +146,8 @@ def speculative_decode(
         t3 = clock()
         steps.append(StepStats(proposal.tokens.shape[1], len(step.tokens) - 1, (t1 - t0) + (t3 - t2), t2 - t1,
                                depth=step.depth))  # fmt: skip
-        forwards.append(Forward("chain" if proposal.parents is None else "tree",
-                                cache.width if compile_target else proposal.tokens.shape[1] + 1, steps[-1].draft_seconds))
+        width = cache.width if compile_target else proposal.tokens.shape[1] + 1  # a compiled verify is padded
+        forwards.append(Forward("chain" if proposal.parents is None else "tree", width, steps[-1].draft_seconds))
         alphas.append(step.alpha_predicted)
         pending = step.pending  # the new chosen-but-unverified token, still on the device
         tokens.extend(step.tokens)
