@@ -145,7 +145,7 @@ def sampled_keys(keys) -> list[tuple[str, int, int]]:
     return kept
 
 
-def measure_forward_costs(target, prompt_ids: torch.Tensor, keys, steps: int = 16, rounds: int = 3,
+def measure_forward_costs(target, prompt_ids: torch.Tensor, keys, steps: int = 32, rounds: int = 5,
                           compile_target: bool | str = False) -> ForwardCosts:
     """The curve at ``keys`` ((kind, width, batch) triples, ``sampled_keys``), on ``prompt_ids`` [1, L]: after a
     warm-up decode of each key (allocator, lazy initialisation, compilation), ``rounds`` rounds that each decode
