@@ -70,9 +70,12 @@ else
     PRECISION=(--set training.mixed_precision=bf16 --set target.dtype=bfloat16)
 fi
 
-install() {
+install() {  # an editable install maps kernels/ to specdraft.kernels; failing that, a link does, in this copy
     "$PY" -c "import specdraft.kernels" 2>/dev/null && return 0
-    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . && "$PY" -c "import specdraft.kernels"
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . && "$PY" -c "import specdraft.kernels" \
+        && return 0
+    ln -sfn ../kernels specdraft/kernels && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+        && "$PY" -c "import specdraft.kernels"
 }
 
 environment() {
@@ -88,7 +91,7 @@ train_throughput() {
         "${PRECISION[@]}" | tee "$OUT/train_throughput_blocking.md"
 }
 
-step install install
+step install install  # a function runs in this shell: a PYTHONPATH it exports reaches the later steps
 step environment environment
 step selftest "$PY" -m specdraft selftest --device "$DEVICE" "${QUICK[@]}" --out "$OUT/selftest"
 step kernels "$PY" eval/bench_kernels.py --out "$OUT/kernels" "${QUICK[@]}"

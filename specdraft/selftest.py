@@ -131,17 +131,18 @@ def _version(name: str) -> str:
 
 
 def check_verify_agreement(setup: Setup, tree: bool) -> tuple[bool | None, str]:
-    from .selftest_verify import agreement_grid, compare
+    from .selftest_verify import agreement_grids, compare
 
     if _version("triton") == "not installed":
         return None, "triton is not installed: the reference verifies on this device, nothing to compare"
     if setup.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return None, "the kernels run on a CPU only in Triton's interpreter, set before triton was first used"
-    grid = agreement_grid(setup.device, setup.quick)
-    rows, failures = compare(grid, setup.device, tree)
+    grids = agreement_grids(setup.device, setup.quick)
+    rows, failures = compare(grids, setup.device, tree)
     where = "compiled" if setup.device.type == "cuda" else "in Triton's interpreter"
-    detail = (f"kernel ({where}) == reference on {rows} random rows: V in {list(grid.vocabs)}, batch "
-              f"{list(grid.batches)}, {'nodes' if tree else 'K'} in {list(grid.max_drafts)}")
+    detail = f"kernel ({where}) == reference on {rows} random rows: " + "; ".join(
+        f"V in {list(g.vocabs)}, batch {list(g.batches)}, {'nodes' if tree else 'K'} in {list(g.max_drafts)}"
+        for g in grids)
     if failures:
         return False, f"{len(failures)} batches differ, e.g. {'; '.join(failures[:3])} ({detail})"
     return True, detail
