@@ -154,3 +154,18 @@ def test_precompile_makes_every_first_turn_cache_size_before_anything_is_timed(t
     precompile(target, True, [10, 40, 10, 500], 20, widths)
     context = target.config.max_position_embeddings  # 512: the 500-token prompt has 12 tokens of budget left
     assert sorted(calls) == sorted((min(length + 20, context), w, t) for length in (10, 40, 500) for w, t in widths)
+
+
+def test_a_sampled_curve_verifies_as_a_drafter_does(target):
+    """At T > 0 the fixed source gives V-wide draft distributions, so the measured step runs the exact verify a
+    drafter's step runs (greedy steps compare tokens and need none)."""
+    from specdraft.decoding.sampling import SamplingParams
+
+    source = FixedProposal(3, VOCAB)
+    pending = torch.tensor([[5]])
+    assert source.propose(pending, 3, SamplingParams(), None).probs is None
+    sampled = source.propose(pending, 3, SamplingParams(temperature=1.0), None)
+    assert sampled.probs.shape == (1, 3, VOCAB) and sampled.probs.sum(-1).eq(1).all()
+    costs = measure_forward_costs(target, prompt(), {("chain", 4, 1)}, steps=4, rounds=1,
+                                  params=SamplingParams(temperature=1.0))
+    assert set(costs.seconds) == {("chain", 4, 1), ("plain", 1, 1)}

@@ -149,7 +149,7 @@ def evaluate(
     if forward_costs:
         outputs = [out for name in methods for _, out in records[name]]
         costs = measure_forward_costs(target, torch.tensor([warmup_ids], device=device), forward_keys(outputs),
-                                      compile_target=compile_target)
+                                      compile_target=compile_target, params=params)
     result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
                                 batch_size, compile_target),
               "methods": {name: _summaries(records[name], records[PLAIN], k, costs) for name in methods}}  # fmt: skip

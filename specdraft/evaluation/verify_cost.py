@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.contract import Proposal
+from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.speculative import DecodeOutput
 
 
@@ -70,22 +71,29 @@ class ForwardCosts:
 
 class FixedProposal:
     """A draft source that proposes ``drafts`` tokens every step (ids 1..n: a chain, or as a tree all children
-    of the root), and that the target will mostly reject: a step of known width, for timing."""
+    of the root), and that the target will mostly reject: a step of known width, for timing. Sampling (T > 0),
+    it gives the V-wide draft distributions a drafter gives (``vocab``), so the verify does a drafter's work."""
 
     tree_kinds = ("static",)
 
-    def __init__(self, drafts: int):
-        self.drafts = drafts
+    def __init__(self, drafts: int, vocab: int | None = None):
+        self.drafts, self.vocab = drafts, vocab
 
     def start(self, prompt_ids, target_out) -> None:
         pass
 
     def propose(self, pending, k, params, generator) -> Proposal:
-        return Proposal(torch.arange(1, 1 + min(self.drafts, k), device=pending.device)[None], None)
+        tokens = torch.arange(1, 1 + min(self.drafts, k), device=pending.device)[None]
+        return Proposal(tokens, self._probs(tokens, params))
 
     def propose_tree(self, pending, tree, params, generator) -> Proposal:
         tokens = torch.arange(1, 1 + tree.num_nodes, device=pending.device)[None]
-        return Proposal(tokens, None, torch.tensor([tree.parents], device=pending.device))
+        return Proposal(tokens, self._probs(tokens, params), torch.tensor([tree.parents], device=pending.device))
+
+    def _probs(self, tokens, params) -> torch.Tensor | None:
+        if params.is_greedy or self.vocab is None:
+            return None
+        return torch.nn.functional.one_hot(tokens, self.vocab).float()
 
     def commit(self, kept_ids, target_out) -> None:
         pass
@@ -99,21 +107,23 @@ def flat_tree(nodes: int):
 
 
 def step_decoder(target, prompt_ids: torch.Tensor, kind: str, width: int, batch: int, steps: int = 16,
-                 compile_target: bool | str = False):
-    """A function that decodes ``steps`` steps of ``kind`` at ``width`` and ``batch`` and returns the seconds per
-    step, drafting excluded: (wall clock - prefill - drafting) / steps, through the decoder a run uses (one
-    prompt: ``speculative_decode`` / ``plain_decode``; a batch of copies: ``speculative_decode_batch``)."""
+                 compile_target: bool | str = False, params: SamplingParams = SamplingParams()):
+    """A function that decodes ``steps`` steps of ``kind`` at ``width`` and ``batch`` with ``params`` and returns
+    the seconds per step, drafting excluded: (wall clock - prefill - drafting) / steps, through the decoder a run
+    uses (one prompt: ``speculative_decode`` / ``plain_decode``; a batch of copies: ``speculative_decode_batch``).
+    Sampling costs more than greedy: every position's p, the race's noise, the exact verify."""
     from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
     from specdraft.decoding.speculative import TreeDrafting, plain_decode, speculative_decode
 
     if kind == "plain":
         source = None
     elif kind == "chain" or width == 1:  # a tree of no nodes is a chain of no drafts
-        source = FixedProposal(width - 1)
+        source = FixedProposal(width - 1, target.vocab_size)
     else:
-        source = TreeDrafting(FixedProposal(width - 1), flat_tree(width - 1))
+        source = TreeDrafting(FixedProposal(width - 1, target.vocab_size), flat_tree(width - 1))
     k = max(width - 1, 1)  # a chain of width 1 proposes nothing (prompt lookup without a match)
-    common = dict(max_new_tokens=steps + 1, eos_token_ids=None)
+    generator = torch.Generator(device=prompt_ids.device).manual_seed(0)
+    common = dict(max_new_tokens=steps + 1, eos_token_ids=None, params=params, generator=generator)
 
     def decode() -> float:
         if batch > 1:
@@ -146,12 +156,14 @@ def sampled_keys(keys) -> list[tuple[str, int, int]]:
 
 
 def measure_forward_costs(target, prompt_ids: torch.Tensor, keys, steps: int = 32, rounds: int = 5,
-                          compile_target: bool | str = False) -> ForwardCosts:
-    """The curve at ``keys`` ((kind, width, batch) triples, ``sampled_keys``), on ``prompt_ids`` [1, L]: after a
-    warm-up decode of each key (allocator, lazy initialisation, compilation), ``rounds`` rounds that each decode
-    every key once, and per key the median over the rounds. Interleaved, so that a busy spell of the machine
-    slows one round of every key rather than every round of one."""
-    decoders = {key: step_decoder(target, prompt_ids, *key, steps, compile_target) for key in sampled_keys(keys)}
+                          compile_target: bool | str = False,
+                          params: SamplingParams = SamplingParams()) -> ForwardCosts:
+    """The curve at ``keys`` ((kind, width, batch) triples, ``sampled_keys``), on ``prompt_ids`` [1, L], decoding
+    with ``params`` (the run's): after a warm-up decode of each key (allocator, lazy initialisation,
+    compilation), ``rounds`` rounds that each decode every key once, and per key the median over the rounds.
+    Interleaved, so that a busy spell of the machine slows one round of every key rather than every round of one."""
+    decoders = {key: step_decoder(target, prompt_ids, *key, steps, compile_target, params)
+                for key in sampled_keys(keys)}
     for decode in decoders.values():
         decode()
     samples = {key: [] for key in decoders}
