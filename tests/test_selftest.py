@@ -1,8 +1,8 @@
 """`specdraft selftest`: the --quick run CI affords, its exit status, and the bad input it refuses.
 
-Cost in CI: one `--quick` run on the CPU in a fresh process (about 100 s on 2 busy cores: the interpreted
-kernels, 6 families trained 8 steps each with a resume and their exports, 6 x 3 decodes compared with
-generate(), the verify-cost curve), and seconds for the rest.
+Cost in CI: one `--quick` run on the CPU in a fresh process (86 to 151 s measured on these 2 shared cores,
+as busy as other jobs made them: the interpreted kernels, 6 families trained 8 steps each with a resume and
+their exports, every family's decodes compared with generate(), the verify-cost curve), and seconds for the rest.
 """
 
 import ctypes
