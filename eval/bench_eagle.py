@@ -168,17 +168,20 @@ def draft_vocab_coverage(drafter, target_dir: Path, tokenizer) -> float:
 
 
 def evaluate_at_temperature(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path,
-                            temperature: float) -> dict:
-    """One `evaluate`: every drafter, prompt lookup and plain decoding, chain K."""
+                            temperature: float, batch_size: int = 1) -> dict:
+    """One `evaluate`: every drafter, prompt lookup and plain decoding, chain K, ``batch_size`` prompts at a time."""
     sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
     sources["prompt-lookup"] = PromptLookupSource()
     return evaluate(target, sources, prompts, SamplingParams(temperature=temperature), k=K,
-                    max_new_tokens=max_new_tokens, out_dir=out / f"temperature-{temperature:g}")
+                    max_new_tokens=max_new_tokens, out_dir=out / f"temperature-{temperature:g}",
+                    batch_size=batch_size)
 
 
-def evaluate_at_temperatures(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path) -> dict:
+def evaluate_at_temperatures(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path,
+                             batch_size: int = 1) -> dict:
     """One `evaluate` per temperature, one after the other."""
-    return {t: evaluate_at_temperature(target, drafters, prompts, max_new_tokens, out, t) for t in TEMPERATURES}
+    return {t: evaluate_at_temperature(target, drafters, prompts, max_new_tokens, out, t, batch_size)
+            for t in TEMPERATURES}
 
 
 def evaluate_folders_at_temperature(target_dir: Path, drafter_dirs: dict, prompts: list[Prompt], max_new_tokens: int,

@@ -2,6 +2,7 @@
 
     python eval/bench_families.py --target smollm2-135m-instruct --train-jobs 2      # the headline table
     python eval/bench_families.py --target toy --num-train-prompts 64 --steps 20      # minutes, the toy
+    python eval/bench_families.py --target toy --batch-sizes 1 4     # also at batch 4: the predictions' table
 
   1. data      training prompts (--train-prompts; ../shared/data/train_prompts.jsonl when present, else
                prompts built from the standard library, and it says so); the target answers them
@@ -16,6 +17,10 @@
                ../shared, --per-category of each category), chain K=5; tau, per-position
                acceptance, alpha, c, the measured verify cost, tokens/s and speedups, per category.
   4. exports   each drafter in each format it supports, read back: do its draft probabilities match?
+  5. predict   per batch size (--batch-sizes) and temperature, each method's measured speedup beside the
+               three predictions: Leviathan's (K drafts, a verify costing one plain step), the same with
+               the run's own verify cost, and the one from the proposals actually made, each forward priced
+               on this device's measured verify-cost curve (specdraft/evaluation/verify_cost.py).
 
 Writes WORK/results.json, WORK/report.md, WORK/tau_by_category.png and the eval reports per
 temperature (with acceptance-by-position plots), and prints the Markdown.
@@ -81,8 +86,9 @@ def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt], str]:
 
 
 def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
-                   dtype: str) -> tuple[Path, dict]:
-    """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl.
+                   dtype: str, batch_size: int = 16, device: str | None = None) -> tuple[Path, dict]:
+    """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl (answered on
+    ``device``, default the CPU, ``batch_size`` prompts at a time).
 
     Every answer the target gave under these settings accumulates in NAME.all.jsonl, which
     ``regenerate`` resumes by prompt id: asking for more prompts later answers only the new ones,
@@ -109,11 +115,11 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     todo = [p for p in prompts if p[id_field] not in answered]
     record = saved.get("record", {})
     if todo:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype)).to(device or "cpu")
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         started = time.perf_counter()
         written = regenerate(model, tokenizer, write_jsonl(work / "data" / f"{name}.prompts.jsonl", todo), everything,
-                             max_new_tokens=max_new_tokens, batch_size=16)
+                             max_new_tokens=max_new_tokens, batch_size=batch_size)
         seconds = time.perf_counter() - started
         print(f"the target answered {written} prompts in {seconds:.0f} s ({written / seconds:.2f} prompts/s)")
         record = {"answered_in_last_run": written, "seconds": round(seconds, 1),
@@ -285,6 +291,31 @@ def category_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+PREDICTIONS = (("Leviathan (v=1)", "predicted_speedup"), ("@ verify cost", "predicted_speedup_measured_verify"),
+               ("@ proposals", "predicted_speedup_from_proposals"))
+
+
+def prediction_table(by_batch: dict, adapted_by_batch: dict) -> str:
+    """Per batch size, temperature and method: the measured speedup, each prediction and its error. A family
+    that adapted its target (Medusa-2) against that target's own plain decoding."""
+    lines = ["| batch | T | method | measured | " + " | ".join(f"{name} (error)" for name, _ in PREDICTIONS) + " |",
+             "|---:|---:|---|---:|" + "---:|" * len(PREDICTIONS)]
+    runs = [(batch, results, None) for batch, results in by_batch.items()]
+    runs += [(batch, results, family) for family, per_batch in adapted_by_batch.items()
+             for batch, results in per_batch.items()]
+    for batch, results, adapted in sorted(runs, key=lambda run: run[0]):
+        for temperature, result in results.items():
+            for method, groups in result["methods"].items():
+                s = groups["overall"]
+                if method == "plain" or not s["speedup"] or (adapted and method != adapted):
+                    continue
+                cells = ["-" if s[key] is None else f"{s[key]:.2f}x ({s[key] / s['speedup'] - 1:+.0%})"
+                         for _, key in PREDICTIONS]
+                lines.append(f"| {batch} | {temperature:g} | {method} | {s['speedup']:.2f}x | "
+                             + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -312,6 +343,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the answers and the eval")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1],
+                        help="evaluate at each batch size (the first is the report's main table)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the workers as Ctrl-C does (train_all)
@@ -356,19 +389,31 @@ def main() -> None:
         trained[family]["exports"] = export_round_trips(family, Path(trained[family]["drafter"]).parent, own,
                                                         drafter, work)
     shared = {family: drafter for family, (_, drafter) in loaded.items() if family not in adapting}
-    results = evaluate_at_temperatures(target, shared, eval_prompts, args.max_new_tokens, work / "eval")
+
+    def batch_folder(batch: int) -> str:
+        return f"batch-{batch}" if batch > 1 else ""
+
+    by_batch = {batch: evaluate_at_temperatures(target, shared, eval_prompts, args.max_new_tokens,
+                                                work / "eval" / batch_folder(batch), batch)
+                for batch in args.batch_sizes}
+    results = by_batch[args.batch_sizes[0]]
     plot_tau_by_category(results, work / "tau_by_category.png")
-    adapted_results, reports = {}, {}
+    adapted_by_batch, reports = {}, {}
     for family in sorted(adapting):
         own, drafter = loaded[family]
-        adapted_results[family] = evaluate_at_temperatures(own, {family: drafter}, eval_prompts, args.max_new_tokens,
-                                                           work / "eval" / family)
+        adapted_by_batch[family] = {batch: evaluate_at_temperatures(own, {family: drafter}, eval_prompts,
+                                                                    args.max_new_tokens,
+                                                                    work / "eval" / family / batch_folder(batch), batch)
+                                    for batch in args.batch_sizes}
         reports[family] = family_report(family, own, drafter, eval_prompts, args.max_new_tokens, work / "eval" / family)
+    adapted_results = {family: runs[args.batch_sizes[0]] for family, runs in adapted_by_batch.items()}
 
     lines = [(f"## Drafter families on {args.target} ({len(eval_prompts)} prompts from {source}, K={K}, "
               f"max {args.max_new_tokens} new tokens, float32, {args.threads} thread(s))"), "",
              f"`python {' '.join(sys.argv)}`", ""]
     lines += temperature_sections(results)
+    lines += ["### predicted against measured speedups (error = predicted / measured - 1)", "",
+              prediction_table(by_batch, adapted_by_batch), ""]
     for family, family_results in adapted_results.items():
         lines += [f"### {family}, with the target it adapted (speedups over that target's plain decoding)", "",
                   f"its drift from the original target: {reports[family]}", ""]
@@ -387,7 +432,11 @@ def main() -> None:
     (work / "report.md").write_text(markdown + "\n")
     (work / "results.json").write_text(json.dumps({
         "args": vars(args), "training": trained, "eval": {str(t): r for t, r in results.items()},
+        "eval_by_batch": {str(b): {str(t): r for t, r in res.items()} for b, res in by_batch.items()},
         "eval_with_adapted_target": {f: {str(t): r for t, r in res.items()} for f, res in adapted_results.items()},
+        "eval_with_adapted_target_by_batch": {
+            f: {str(b): {str(t): r for t, r in res.items()} for b, res in runs.items()}
+            for f, runs in adapted_by_batch.items()},
         "drift": reports}, indent=1))
     print("\n" + markdown)
     print(f"\nwrote {work / 'report.md'}, {work / 'results.json'}, {work / 'tau_by_category.png'}")

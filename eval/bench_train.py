@@ -109,14 +109,15 @@ def main() -> int:
           + (f", overrides {' '.join(args.set)}" if args.set else ""))
     print(f"`python eval/bench_train.py {' '.join(sys.argv[1:])}`\n")
     print("| drafter | mode | training tokens/s | target forward share of a step | step / target forward "
-          "| peak RSS GiB | cache-features s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "| peak RSS GiB | peak GPU GiB | cache-features s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         share = row["target_fraction"]
         ratio = f"{1 / share:.2f}x" if share > 0 else "- (no target forward)"
         cache = f"{row['cache_features_seconds']:.0f}" if row["cache_features_seconds"] is not None else "-"
+        gpu = f"{row['peak_cuda_gib']:.2f}" if row["peak_cuda_gib"] is not None else "-"
         print(f"| {row['family']} | {row['mode']} | {row['tokens_per_s']:.0f} | {share:.1%} | {ratio} "
-              f"| {row['peak_rss_gib']:.2f} | {cache} |")
+              f"| {row['peak_rss_gib']:.2f} | {gpu} | {cache} |")
     return 0
 
 

@@ -21,6 +21,7 @@ COMMANDS = {
     "export": ("specdraft.export", "write a trained drafter in the format vLLM or SGLang loads"),
     "regenerate": ("specdraft.data.regenerate", "rewrite a dataset's assistant turns with the target itself"),
     "toy-target": ("specdraft.toy_build.builder", "build the small stand-in target (no download needed)"),
+    "selftest": ("specdraft.selftest", "check this install on this machine: environment, kernels, training, decoding"),
 }
 
 # Shown at the end of each command's --help: real command lines.

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
-
 from ..errors import SpecdraftError
+from .records import INSTALL, Records, read_local_file
+
+try:
+    import datasets
+except ImportError:  # optional for local files: they are read into Records (specdraft/data/records.py)
+    datasets = None
 
 FORMATS = ("sharegpt", "messages", "turns", "text")
 CHAT_COLUMNS = {"sharegpt": "conversations", "messages": "messages", "turns": "turns"}
@@ -57,12 +61,18 @@ def check_data_source(path: str) -> None:
         )
 
 
-def load_raw(path: str, split: str = "train") -> datasets.Dataset:
-    """A local .json/.jsonl/.parquet file or folder, or else a datasets hub id."""
+def load_raw(path: str, split: str = "train") -> datasets.Dataset | Records:
+    """A local .json/.jsonl/.parquet file or folder, or else a datasets hub id. Without ``datasets``
+    installed, a local file is read into ``Records``; a folder or hub id names the install."""
     local = Path(path).expanduser()
     try:
         check_data_source(path)
-        if local.is_file():
+        if datasets is None:
+            if not local.is_file():
+                raise SpecdraftError(f"reading {path!r} (a folder or a hub dataset) needs the datasets package: "
+                                     f"{INSTALL}. Local .json/.jsonl/.parquet files read without it.")
+            dataset = read_local_file(local)
+        elif local.is_file():
             dataset = datasets.load_dataset(FILE_BUILDERS[local.suffix.lower()], data_files=str(local), split="train")
         elif local.is_dir():
             # datasets' folder loader maps file names (train.jsonl, test-*.parquet, ...) to splits.
@@ -187,7 +197,8 @@ def from_messages(record: dict, fmt: str, messages: list[dict]) -> dict:
     return {**record, column: rewritten}
 
 
-def normalize(dataset: datasets.Dataset, fmt: str, text_field: str = "text", num_proc: int = 1) -> datasets.Dataset:
+def normalize(dataset: datasets.Dataset | Records, fmt: str, text_field: str = "text",
+              num_proc: int = 1) -> datasets.Dataset | Records:
     """``{"messages": [...]}`` for chat formats, ``{"text": str}`` for plain text."""
     if fmt == "text":
         def convert(record):

@@ -15,12 +15,12 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from ..errors import SpecdraftError
 from .chat import resolve_chat_template, tokenize_dialogue, tokenize_text
-from .formats import FILE_BUILDERS, load_raw, normalize, resolve_format
+from .formats import FILE_BUILDERS, datasets, load_raw, normalize, resolve_format
+from .records import Records
 
 if TYPE_CHECKING:
     from ..config import DataConfig
@@ -33,7 +33,8 @@ TEMPLATE_ERROR = "chat template failed"
 NOTHING_LEFT = "no assistant token within max_length"
 
 # Declared, not inferred: a first batch of dropped (empty) samples would otherwise type the column as null.
-TOKENIZED_FEATURES = datasets.Features({
+# (None without datasets: Records keep the Python ints the tokenizer returns.)
+TOKENIZED_FEATURES = None if datasets is None else datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")),
     "loss_mask": datasets.List(datasets.Value("int8")),
     "length": datasets.Value("int64"),
@@ -41,7 +42,7 @@ TOKENIZED_FEATURES = datasets.Features({
 })
 
 
-def build_datasets(cfg: "DataConfig", tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
+def build_datasets(cfg: "DataConfig", tokenizer) -> tuple[datasets.Dataset | Records, datasets.Dataset | Records]:
     """Tokenized ``(train, eval)``, columns ``input_ids`` and ``loss_mask`` (1 = assistant token).
     The eval set is ``cfg.eval_path`` when given, else a random ``eval_fraction`` of ``cfg.path``."""
     tokenized = tokenize_file(cfg, cfg.path, tokenizer)
@@ -50,7 +51,7 @@ def build_datasets(cfg: "DataConfig", tokenizer) -> tuple[datasets.Dataset, data
     return train_eval_split(tokenized, cfg.eval_fraction, cfg.seed)
 
 
-def tokenize_file(cfg: "DataConfig", path: str, tokenizer) -> datasets.Dataset:
+def tokenize_file(cfg: "DataConfig", path: str, tokenizer) -> datasets.Dataset | Records:
     """One data source -> the trainable samples, tokenized as the ``data:`` section says."""
     raw = load_raw(path, cfg.split)
     if cfg.max_samples:
@@ -87,7 +88,7 @@ def tokenize_file(cfg: "DataConfig", path: str, tokenizer) -> datasets.Dataset:
     return _drop_untrainable(tokenized, path, cfg.max_length)
 
 
-def _drop_untrainable(tokenized: datasets.Dataset, path: str, max_length: int) -> datasets.Dataset:
+def _drop_untrainable(tokenized: datasets.Dataset | Records, path: str, max_length: int) -> datasets.Dataset | Records:
     """Filter out dropped samples, warn with counts, and fail if nothing (useful) is left."""
     total = len(tokenized)
     reasons = list(tokenized["dropped"])
@@ -118,8 +119,8 @@ def _drop_untrainable(tokenized: datasets.Dataset, path: str, max_length: int) -
 
 
 def train_eval_split(
-    dataset: datasets.Dataset, eval_fraction: float, seed: int
-) -> tuple[datasets.Dataset, datasets.Dataset]:
+    dataset: datasets.Dataset | Records, eval_fraction: float, seed: int
+) -> tuple[datasets.Dataset | Records, datasets.Dataset | Records]:
     """A random ``eval_fraction`` (rounded up) held out, the same for the same seed; both keep data order."""
     if not 0 <= eval_fraction < 1:
         raise SpecdraftError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}.")

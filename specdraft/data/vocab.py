@@ -48,15 +48,10 @@ class DraftVocab:
 def count_assistant_tokens(train_dataset, target_vocab_size: int) -> torch.Tensor:
     """[V] long: how often each token id appears where ``loss_mask`` is 1."""
     import numpy as np
-    import pyarrow.compute as pc
-    from tqdm.auto import tqdm
 
     counts = np.zeros(target_vocab_size, dtype=np.int64)
-    batches = train_dataset.with_format("arrow").iter(batch_size=4096)
-    for table in tqdm(batches, total=-(-len(train_dataset) // 4096), desc="counting assistant tokens", leave=False):
-        ids = pc.list_flatten(table["input_ids"]).to_numpy()
-        mask = pc.list_flatten(table["loss_mask"]).to_numpy().astype(bool)
-        ids = ids[mask]
+    for ids, mask in _token_batches(train_dataset):
+        ids = ids[mask.astype(bool)]
         if ids.size and (ids.min() < 0 or ids.max() >= target_vocab_size):
             raise SpecdraftError(
                 f"the data holds token id {int(ids.max())}, outside the target's vocabulary of {target_vocab_size}. "
@@ -64,6 +59,23 @@ def count_assistant_tokens(train_dataset, target_vocab_size: int) -> torch.Tenso
             )
         counts += np.bincount(ids, minlength=target_vocab_size)
     return torch.from_numpy(counts)
+
+
+def _token_batches(train_dataset):
+    """(input_ids, loss_mask) flattened, 4096 samples at a time: from arrow for a ``datasets.Dataset``, from
+    the lists of ``Records`` (the reader used without ``datasets``)."""
+    from tqdm.auto import tqdm
+
+    from .records import Records
+
+    if isinstance(train_dataset, Records):
+        yield train_dataset.token_arrays("input_ids"), train_dataset.token_arrays("loss_mask")
+        return
+    import pyarrow.compute as pc
+
+    batches = train_dataset.with_format("arrow").iter(batch_size=4096)
+    for table in tqdm(batches, total=-(-len(train_dataset) // 4096), desc="counting assistant tokens", leave=False):
+        yield pc.list_flatten(table["input_ids"]).to_numpy(), pc.list_flatten(table["loss_mask"]).to_numpy()
 
 
 def top_tokens(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ from specdraft.decoding.sampling import (
 )
 from specdraft.decoding.speculative import (
     DecodeOutput,
+    Forward,
     StepStats,
     _check_proposal,
     _stop_ids,
@@ -105,6 +106,7 @@ def speculative_decode_batch(
     prefill_seconds = time.perf_counter() - start
 
     stopped = [tokens[b][0] in stop_ids for b in range(batch)]
+    forwards: list[Forward] = []  # the call's target forwards, shared by every row's output
 
     def active(b: int) -> bool:
         return len(tokens[b]) < budgets[b] and not stopped[b]
@@ -140,6 +142,7 @@ def speculative_decode_batch(
         valid = torch.cat([valid, _keep_slots(cache, valid.shape[1], kept, step.ids.shape[1], device)], dim=1)
         t2 = time.perf_counter()
         next_pending = pending.clone()
+        commits = 0.0
         for b, (path, new, depth) in zip(rows, verified):  # new: the accepted drafts, then one more token
             tokens[b].extend(new)
             next_pending[b] = new[-1]
@@ -150,15 +153,18 @@ def speculative_decode_batch(
                 where = slice(0, len(path) + 1) if depth is None else torch.tensor(kept[b], device=device)
                 sources[b].commit(torch.cat([pending[b].view(1, 1), drafted[:, path]], dim=1), _row(out, b, where))
                 commit_seconds = time.perf_counter() - t3
+                commits += commit_seconds
                 # The batch waits for every row's drafts, and shares the target's forward and verify: each row
                 # is charged the whole step's drafting and verifying (c is then the batch's draft cost).
                 steps[b].append(StepStats(drafted.shape[1], len(path), t1 - t0 + commit_seconds, t2 - t1,
                                           depth=depth))  # fmt: skip
         pending = next_pending
+        kind = "plain" if sources is None else "tree" if step.trees else "chain"
+        forwards.append(Forward(kind, step.ids.shape[1], t1 - t0 + commits))
 
     seconds = time.perf_counter() - start
-    outputs = [DecodeOutput(_truncate(tokens[b], budgets[b], stop_ids), steps[b], prefill_seconds, seconds, batch)
-               for b in range(batch)]  # fmt: skip
+    outputs = [DecodeOutput(_truncate(tokens[b], budgets[b], stop_ids), steps[b], prefill_seconds, seconds, batch,
+                            forwards) for b in range(batch)]  # fmt: skip
     return [outputs[order.index(b)] for b in range(batch)]
 
 

@@ -68,6 +68,16 @@ class StepStats:
         return self.num_drafted if self.depth is None else self.depth
 
 
+@dataclass(frozen=True)
+class Forward:
+    """One decode-phase target forward of a decode call, as the verify-cost curve prices it
+    (``specdraft.evaluation.verify_cost``): what kind of step, how wide, and the drafting it waited for."""
+
+    kind: str  # "plain" (one new token per row), "chain" or "tree" (a verify)
+    width: int  # positions per row the forward read: drafts + 1 (a compiled verify: its padded width)
+    draft_seconds: float  # the step's propose + commit (0 for plain decoding)
+
+
 @dataclass
 class DecodeOutput:
     tokens: list[int]  # generated tokens (prompt excluded), ending with the stop token if one was hit
@@ -75,6 +85,8 @@ class DecodeOutput:
     prefill_seconds: float  # prompt forward + source.start + first token
     seconds: float  # wall clock of the whole call (batched: of the whole batch)
     batch_rows: int = 1  # prompts decoded together in that call (``speculative_decode_batch``)
+    # Every target forward after the prefill, in order (batched: the call's, one list shared by its rows).
+    forwards: list[Forward] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -113,7 +125,7 @@ def speculative_decode(
                                     compile_target, hasattr(source, "tree"))  # fmt: skip
     source.start(prompt_ids, out)
     pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
-    tokens, steps, alphas = [pending.item()], [], []
+    tokens, steps, alphas, forwards = [pending.item()], [], [], []
     prefill_seconds = _clock(device) - start
 
     while len(tokens) < budget and tokens[-1] not in stop_ids:
@@ -136,6 +148,8 @@ def speculative_decode(
         t3 = clock()
         steps.append(StepStats(proposal.tokens.shape[1], len(step.tokens) - 1, (t1 - t0) + (t3 - t2), t2 - t1,
                                depth=step.depth))  # fmt: skip
+        width = cache.width if compile_target else proposal.tokens.shape[1] + 1  # a compiled verify is padded
+        forwards.append(Forward("chain" if proposal.parents is None else "tree", width, steps[-1].draft_seconds))
         alphas.append(step.alpha_predicted)
         pending = step.pending  # the new chosen-but-unverified token, still on the device
         tokens.extend(step.tokens)
@@ -148,7 +162,7 @@ def speculative_decode(
     for step, alpha in zip(steps, alphas):
         step.alpha_predicted = [] if alpha is None else list(islice(flat, alpha.numel()))
     tokens = _truncate(tokens, budget, stop_ids)
-    return DecodeOutput(tokens, steps, prefill_seconds, _clock(device) - start)
+    return DecodeOutput(tokens, steps, prefill_seconds, _clock(device) - start, forwards=forwards)
 
 
 @torch.no_grad()
@@ -175,7 +189,8 @@ def plain_decode(
         out = forward(token, past_key_values=cache, use_cache=True, logits="last")
         token = _next_token(out.logits[:, -1], params, generator)
         tokens.append(token.item())
-    return DecodeOutput(tokens, [], prefill_seconds, _clock(device) - start)
+    forwards = [Forward("plain", 1, 0.0)] * (len(tokens) - 1)
+    return DecodeOutput(tokens, [], prefill_seconds, _clock(device) - start, forwards=forwards)
 
 
 def _prefill(target, prompt_ids: torch.Tensor, positions: int, width: int, compile_target: bool | str,

@@ -8,6 +8,8 @@ The theorem assumes a verify forward over K+1 positions costs one plain decoding
 batch 1 is close to that; a CPU is not (SmolLM2-135M: 68 ms for 6 tokens against 42 ms for 1). So
 the verify cost v = (seconds per verify step) / (seconds per plain-decoded token), both measured in
 the same run, gives a second prediction, tau_expected / (v (1 + K c)), which explains the measured speedup.
+Both assume K drafts every step and one verify cost at every batch size; the third prediction prices each
+forward a run made at its width and batch on the device's measured curve (``verify_cost``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 
 from specdraft.decoding.speculative import DecodeOutput, StepStats
+from specdraft.evaluation.verify_cost import ForwardCosts, predicted_speedup_from_forwards
 
 MAX_RECOMMENDED_K = 16
 
@@ -102,8 +105,10 @@ def decode_tokens_per_second(outputs: list[DecodeOutput]) -> float:
     return sum(len(o.tokens) - 1 for o in outputs) / seconds if seconds else math.nan
 
 
-def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOutput] | None = None) -> dict:
-    """Every figure of one method on one group of prompts; ``plain_outputs`` are the same prompts decoded plainly."""
+def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOutput] | None = None,
+              costs: ForwardCosts | None = None) -> dict:
+    """Every figure of one method on one group of prompts; ``plain_outputs`` are the same prompts decoded plainly.
+    With ``costs`` (the device's verify-cost curve), the speedup predicted from the forwards the decodes made."""
     steps = [s for o in outputs for s in o.steps]
     alpha, c = measured_alpha(steps), draft_cost_ratio(steps)
     summary = {
@@ -126,10 +131,14 @@ def summarize(outputs: list[DecodeOutput], k: int, plain_outputs: list[DecodeOut
         "predicted_speedup_at_recommended_k": None,
         "verify_cost": None,
         "predicted_speedup_measured_verify": None,
+        "predicted_speedup_from_proposals": None,
     }
     if plain_outputs:
         summary["speedup"] = summary["tokens_per_second"] / tokens_per_second(plain_outputs)
         summary["verify_cost"] = verify_cost(steps, plain_outputs)
+        if costs is not None:  # every step as it was made (its width, batch and drafting), trees too
+            summary["predicted_speedup_from_proposals"] = predicted_speedup_from_forwards(outputs, plain_outputs,
+                                                                                          costs)
     # The predictions are a chain's (Leviathan et al.'s i.i.d. acceptance along K drafts): for a tree, alpha is
     # the rate at which the accepted path goes one level deeper, and c is per node, so none is predicted.
     is_tree = any(s.depth is not None for s in steps)

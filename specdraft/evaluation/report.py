@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from specdraft.evaluation.metrics import MAX_RECOMMENDED_K, predicted_speedup
+from specdraft.evaluation.verify_cost import ForwardCosts, format_curve
 
 # (header, summary key, format); None values print as "-".
 COLUMNS = [
@@ -29,6 +30,7 @@ COLUMNS = [
     ("pred speedup", "predicted_speedup", "{:.2f}x"),
     ("verify cost", "verify_cost", "{:.2f}"),
     ("pred @ verify cost", "predicted_speedup_measured_verify", "{:.2f}x"),
+    ("pred @ proposals", "predicted_speedup_from_proposals", "{:.2f}x"),
     ("best K", "recommended_k", "{:d}"),
     ("pred @ best K", "predicted_speedup_at_recommended_k", "{:.2f}x"),
 ]
@@ -77,7 +79,11 @@ def write_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
         "speedup_heatmap": out_dir / "speedup_heatmap.png",
     }
     paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
-    paths["markdown"].write_text(f"# specdraft eval\n\n{_config_line(result)}\n\n{format_markdown(result)}")
+    curve = ""
+    if result.get("forward_costs"):
+        curve = "\n## verify-cost curve on this device (ms per decode step, and v = step / plain step)\n\n" + \
+            format_curve(ForwardCosts.from_json(result["forward_costs"])) + "\n"
+    paths["markdown"].write_text(f"# specdraft eval\n\n{_config_line(result)}\n\n{format_markdown(result)}{curve}")
     plot_acceptance_by_position(result, paths["acceptance_plot"])
     plot_speedup_heatmap(result, paths["speedup_heatmap"])
     return paths
@@ -171,7 +177,8 @@ def _footnotes(result: dict) -> list[str]:
         "sum_x min(p, q); c = draft time per token / target time per forward; speedup = tok/s over plain decoding "
         "in the same run; tok/s is per request and total tok/s the throughput (they differ with --batch-size > 1); pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), which assumes a verify "
         "forward costs one plain step; verify cost v = seconds per verify forward / seconds per plain token, "
-        "measured; pred @ verify cost = pred speedup / v."
+        "measured; pred @ verify cost = pred speedup / v; pred @ proposals = each step priced at its own width "
+        "and batch size on this device's measured verify-cost curve, plus its measured drafting."
     ]
     cfg = result["config"]
     if cfg.get("lenience", 1.0) < 1.0 or cfg.get("typical_acceptance"):

@@ -21,7 +21,14 @@ from tqdm.auto import tqdm
 from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
-from specdraft.decoding.speculative import DecodeOutput, TreeDrafting, plain_decode, speculative_decode
+from specdraft.decoding.speculative import (
+    DecodeOutput,
+    TreeDrafting,
+    check_decode_args,
+    most_drafts,
+    plain_decode,
+    speculative_decode,
+)
 from specdraft.decoding.trees import NAMED_TREES, parse_tree
 from specdraft.decoding.verify import VERIFY_BACKENDS, resolve_verify_backend
 from specdraft.config import MAX_DRAFTS_PER_STEP
@@ -29,6 +36,7 @@ from specdraft.contract import DraftSource
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
+from specdraft.evaluation.verify_cost import forward_keys, measure_forward_costs
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.target_fingerprint import check_target
 
@@ -55,13 +63,16 @@ def evaluate(
     batch_size: int = 1,
     compile_target: bool | str = False,
     verify_backend: str = "auto",
+    forward_costs: bool = True,
 ) -> dict:
     """Decode every prompt with plain decoding and with each source; return (and write) the report dict.
 
     ``batch_size`` > 1 decodes that many prompts together (``speculative_decode_batch``: chains or trees,
     exact verification); tokens/s is then per request, and ``total_tokens_per_second`` the batch's throughput.
     ``compile_target`` compiles the target's decode forwards, plain decoding's and the verifies' alike.
-    ``verify_backend``: auto | triton | reference (``specdraft.decoding.verify.resolve_verify_backend``)."""
+    ``verify_backend``: auto | triton | reference (``specdraft.decoding.verify.resolve_verify_backend``).
+    ``forward_costs`` then measures the device's cost of each step width the decodes used
+    (``verify_cost.measure_forward_costs``, on the first prompt) and predicts each method's speedup from them."""
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -100,6 +111,11 @@ def evaluate(
 
     # Warm up every method (lazy initialisation, allocator) so the first timed decode is not penalised.
     warmup_ids = prompt_token_ids(tokenizer, prompts[0], prefix_tokens=prefix_tokens)
+    if compile_target:  # and compile the verify for every cache size the first turns need, not while timing them
+        first_turns = [len(prompt_token_ids(tokenizer, p, prefix_tokens=prefix_tokens)) for p in prompts]
+        widths = {(1, False) if s is None else (1 + most_drafts(s, drafts_per_step(s)), isinstance(s, TreeDrafting))
+                  for s in methods.values()}  # the steps' width (plain: 1), and whether they verify trees
+        precompile(target, compile_target, first_turns, max_new_tokens, widths)
     for source in methods.values():
         decode(source, warmup_ids, seed, min(8, max_new_tokens))
 
@@ -140,9 +156,16 @@ def evaluate(
                     bar.update(1)
     bar.close()
 
+    costs = None
+    if forward_costs:
+        outputs = [out for name in methods for _, out in records[name]]
+        costs = measure_forward_costs(target, torch.tensor([warmup_ids], device=device), forward_keys(outputs),
+                                      compile_target=compile_target, params=params, verify_backend=verify_backend)
     result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
                                 batch_size, compile_target, verify_backend),
-              "methods": {name: _summaries(records[name], records[PLAIN], k) for name in methods}}  # fmt: skip
+              "methods": {name: _summaries(records[name], records[PLAIN], k, costs) for name in methods}}  # fmt: skip
+    if costs is not None:
+        result["forward_costs"] = costs.to_json()
     if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
         plain_tokens = [out.tokens for _, out in records[PLAIN]]
         result["greedy_identical"] = {
@@ -156,6 +179,20 @@ def evaluate(
     if wandb_run is not None:
         report.log_wandb(result, wandb_run)
     return result
+
+
+def precompile(target, mode: bool | str, prompt_lengths: list[int], max_new_tokens: int,
+               widths: set[tuple[int, bool]]) -> None:
+    """``compile_target``'s graphs for every (cache size, step width, tree) these prompts will decode with, made by
+    ``CompiledVerify.new_cache`` as a decode makes them, but before the clock starts (a later turn's longer
+    context may still meet a new cache size)."""
+    from specdraft.decoding.compiled_verify import compiled_verify
+
+    forward = compiled_verify(target, mode)
+    for length in sorted(set(prompt_lengths)):
+        budget = check_decode_args(target, torch.zeros(1, length, dtype=torch.long), max_new_tokens)
+        for width, tree in sorted(widths):
+            forward.new_cache(length + budget, width, tree)
 
 
 def _mismatches(target, contexts, records, name, k) -> list[dict]:
@@ -173,7 +210,7 @@ def _mismatches(target, contexts, records, name, k) -> list[dict]:
     return found
 
 
-def _summaries(records, plain_records, k) -> dict:
+def _summaries(records, plain_records, k, costs=None) -> dict:
     """Overall, per suite and per category; plain decoding of the same prompts gives the speedup."""
 
     def group(key):
@@ -181,11 +218,11 @@ def _summaries(records, plain_records, k) -> dict:
         for value in dict.fromkeys(key(p) for p, _ in records):
             outputs = [o for p, o in records if key(p) == value]
             plain = [o for p, o in plain_records if key(p) == value]
-            out[value] = summarize(outputs, k, plain)
+            out[value] = summarize(outputs, k, plain, costs)
         return out
 
     return {
-        "overall": summarize([o for _, o in records], k, [o for _, o in plain_records]),
+        "overall": summarize([o for _, o in records], k, [o for _, o in plain_records], costs),
         "by_suite": group(lambda p: p.suite),
         "by_category": group(lambda p: p.category),
     }

