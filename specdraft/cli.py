@@ -40,6 +40,7 @@ EXAMPLES = {
                    "specdraft regenerate --target Qwen/Qwen3-8B --data HuggingFaceH4/ultrachat_200k --out "
                    "data/ultrachat_qwen3.jsonl --batch-size 64"],
     "toy-target": ["specdraft toy-target --help"],
+    "selftest": ["specdraft selftest --quick", "specdraft selftest --device cuda --out selftest-report"],
 }
 
 
