@@ -348,3 +348,15 @@ def test_a_drafter_records_the_target_it_trained_for(world):
     assert config["target_embedding_probe"]["shape"] == list(embedding.shape)
     assert torch.allclose(torch.tensor(config["target_embedding_probe"]["values"]), embedding.reshape(-1)[
         torch.linspace(0, embedding.numel() - 1, 64).long()])
+
+
+def test_a_null_message_names_its_record_without_datasets_too():
+    """The same refusal when local data is read into Records (the GPU machine has no `datasets`)."""
+    from specdraft.data.formats import normalize
+    from specdraft.data.records import Records
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "hello"}]}]
+    with pytest.raises(SpecdraftError, match=r"data record 1 \(counting from 0\): a user message has no content"):
+        normalize(Records(rows), "messages")
+    assert normalize(Records(rows[:1]), "messages").to_list() == [{"messages": rows[0]["messages"]}]

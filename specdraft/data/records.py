@@ -45,11 +45,15 @@ class Records:
     def select(self, indices) -> Records:
         return Records([self.rows[int(i)] for i in indices])
 
-    def map(self, function, remove_columns=None, features=None, num_proc=None, desc=None) -> Records:
-        """``function(row) -> dict`` of new or replaced columns, in this process (``features`` and ``num_proc``
-        are ``datasets``' and ignored: the functions return Python ints and strings either way)."""
+    def map(self, function, remove_columns=None, features=None, num_proc=None, desc=None,
+            with_indices: bool = False) -> Records:
+        """``function(row) -> dict`` of new or replaced columns (``function(row, index)`` with ``with_indices``), in
+        this process (``features`` and ``num_proc`` are ``datasets``' and ignored: the functions return Python ints
+        and strings either way)."""
         dropped = set(remove_columns or ())
-        return Records([{**{k: v for k, v in row.items() if k not in dropped}, **function(row)} for row in self.rows])
+        return Records([{**{k: v for k, v in row.items() if k not in dropped},
+                         **(function(row, index) if with_indices else function(row))}
+                        for index, row in enumerate(self.rows)])
 
     def remove_columns(self, names: list[str]) -> Records:
         return Records([{k: v for k, v in row.items() if k not in names} for row in self.rows])
