@@ -124,6 +124,13 @@ BAD_INPUTS = {
     # quickstart: refused before a folder is made
     "quickstart-eval-prompts": (lambda w, t: ["quickstart", "--out", str(t / "qs"), "--eval-prompts", "-2"],
                                 "--eval-prompts must be >= 1"),
+    # recipes: names that are not shipped, and a copy onto an existing file
+    "recipe-unknown-name": (lambda w, t: ["train", "toy_eagl"], "neither a file nor a shipped recipe (closest shipped "
+                                                                "recipes: toy_eagle3"),
+    "recipes-copy-unknown": (lambda w, t: ["recipes", "copy", "llama_eagle", str(t / "x.yaml")],
+                             "no shipped recipe 'llama_eagle'; did you mean"),
+    "recipes-copy-onto-a-file": (lambda w, t: ["recipes", "copy", "toy_eagle3", str(w["data"])],
+                                 "already exists; pass --overwrite"),
     # export: a damaged or missing source
     "export-no-run": (lambda w, t: ["export", str(t / "nothing"), "--format", "hf", "--out", str(t / "x")],
                       "no drafter checkpoint in"),
