@@ -4,17 +4,20 @@
 # commands install the exact set in constraints.txt, so a new transformers (or accelerate, peft, ...)
 # release cannot break a fresh clone overnight; this script says early whether the next one will.
 #
-#   bash eval/check_latest_releases.sh [VENV_DIR]       (default: /tmp/specdraft-latest; ~5 min on 2 cores)
+#   bash eval/check_latest_releases.sh [VENV_DIR [REQUIREMENT ...]]   (default /tmp/specdraft-latest; ~7 min)
 #
+# REQUIREMENTs (e.g. transformers==5.0.0) are installed last, to try a lower bound instead of the newest.
 # It prints the versions it got and, beside each, the pinned one; exit status is pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-/tmp/specdraft-latest}
+shift || true
 rm -rf "$venv"
 python3 -m venv "$venv"
 . "$venv/bin/activate"
 pip install -q torch==2.13.0                 # the CPU build, as the README pins it
 pip install -q -U -e '.[test]'               # everything else: the newest releases the ranges allow
+if [ $# -gt 0 ]; then pip install -q "$@" torch==2.13.0; fi   # a bound to try (the CPU torch kept)
 echo "package          newest        pinned (constraints.txt)"
 for name in transformers accelerate peft datasets safetensors tokenizers triton deepspeed wandb; do
   newest=$(pip show "$name" 2>/dev/null | awk '/^Version:/{print $2}')
