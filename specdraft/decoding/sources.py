@@ -217,7 +217,8 @@ def check_static_cache() -> None:
         import transformers
 
         raise SpecdraftError(
-            f"compiling a draft LM needs a transformers whose StaticCache rolls back with crop() (5.x); this is "
+            f"compiling a draft LM needs a transformers whose StaticCache rolls back with crop() (5.23 or newer); "
+            f"this is "
             f"{transformers.__version__}: pip install -U transformers, or leave compile off."
         )
 
