@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from specdraft.decoding.tree_verify import mass_scale_bits
+
 ARCHS = (80, 90)
 VOCABS = (100, 32001, 152064)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -88,7 +90,7 @@ def _launch_tree(tree_sample, dtype, vocab: int, with_q: bool) -> None:
     tree_sample(
         torch.zeros(3, dtype=torch.long), parents, torch.tensor([3, 3]),
         torch.rand(3, vocab).to(dtype) if with_q else None, p, torch.rand(3), torch.ones(2, vocab),
-        torch.zeros(2, dtype=torch.bool), max_depth=2,
+        torch.zeros(2, dtype=torch.bool), max_depth=2, mass_bits=mass_scale_bits(vocab),
     )  # fmt: skip
 
 

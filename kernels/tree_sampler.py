@@ -41,8 +41,6 @@ only what the first launch wrote.
 import torch
 import triton
 import triton.language as tl
-
-from specdraft.decoding.tree_verify import mass_scale_bits
 from specdraft.kernels.rejection_sampler import (
     BLOCK_OUT,
     BLOCK_S,
@@ -337,10 +335,13 @@ def tree_sample(
     exponentials: torch.Tensor,
     greedy: torch.Tensor,
     max_depth: int,
+    mass_bits: int,
     block_v: int | None = None,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the two kernels. Inputs are assumed checked (``specdraft.decoding.tree_verify.verify_tree_triton`` does).
+    ``mass_bits`` is the fixed-point scale of the residual masses, the reference's
+    (``specdraft.decoding.tree_verify.mass_scale_bits(V)``), so kernel and reference sum alike.
 
     Partial slots, each ``num_splits`` wide: row r's race at 2r, its fallback race at 2r + 1, then
     the argmax of target_probs row t at 2 * batch + t."""
@@ -357,7 +358,7 @@ def tree_sample(
     slots = 2 * batch + target_probs.shape[0]
     partial_val = torch.empty(slots * num_splits, dtype=torch.float32, device=device)
     partial_idx = torch.empty(slots * num_splits, dtype=torch.int32, device=device)
-    bits = mass_scale_bits(vocab_size)
+    bits = mass_bits
     target_probs = target_probs.contiguous()
     uniforms = uniforms.float().contiguous()
     cu_num_nodes = cu_num_nodes.long().contiguous()

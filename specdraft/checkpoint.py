@@ -23,7 +23,11 @@ import shutil
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
+from accelerate.utils import DistributedType
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from .atomic import describe_bytes, is_disk_full
 from .errors import SpecdraftError
@@ -58,8 +62,6 @@ def find_drafter_dir(path: str | Path) -> Path:
 def damaged_drafter_message(file: Path, error: Exception) -> str:
     """What to say when a saved drafter's file cannot be read: which file, and which checkpoint of the same
     run still holds weights that read back."""
-    from safetensors import safe_open
-
     holder = file.parent.parent  # RUN for RUN/drafter/FILE, RUN/checkpoints/step-N for a checkpoint's
     run = holder.parent.parent if holder.parent.name == "checkpoints" else holder
 
@@ -78,8 +80,6 @@ def damaged_drafter_message(file: Path, error: Exception) -> str:
 
 
 def _rng_state() -> dict:
-    import numpy as np
-
     np_state = np.random.get_state()
     state = {
         "python": list(random.getstate()[1]),
@@ -94,8 +94,6 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    import numpy as np
-
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype("uint32"), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
@@ -108,8 +106,6 @@ def _set_rng_state(state: dict) -> None:
 # saves and loads its own shard; ZeRO-3 also splits every parameter, so whole tensors are gathered
 # before save_pretrained and scattered back after a load.
 def uses_deepspeed(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
@@ -121,7 +117,7 @@ def full_parameters(accelerator, model, modify: bool = False):
     """
     if not uses_deepspeed(accelerator):
         return nullcontext()
-    import deepspeed
+    import deepspeed  # optional: the deepspeed extra (ZeRO runs only)
 
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0 if modify else None)
 
@@ -133,9 +129,9 @@ def _zero_shard_file(ckpt: Path, rank: int) -> Path:
 @contextmanager
 def _zero_state_classes():
     """The plain-data DeepSpeed classes a ZeRO optimizer state holds, allowed for weights_only loads."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # optional: deepspeed
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # optional: deepspeed
+    from deepspeed.utils.tensor_fragment import fragment_address  # optional: deepspeed
 
     with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
         yield
@@ -232,8 +228,6 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, s
 
 def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> dict:
     """Restore weights, optimizer, scheduler and this rank's RNG; returns the trainer state."""
-    from safetensors.torch import load_file
-
     zero = uses_deepspeed(accelerator)
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())

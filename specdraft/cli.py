@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed_version
 
 from .errors import SpecdraftError
 
@@ -49,9 +51,6 @@ def _epilog(name: str) -> str:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed_version
-
     try:
         return installed_version("specdraft")
     except PackageNotFoundError:  # run from a source tree that was never installed

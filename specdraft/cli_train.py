@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from .config import load_recipe
+from .features import cache_features
+from .train import train
+
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("recipe", help="a recipe file, or a shipped recipe's name (`specdraft recipes` lists them)")
@@ -15,16 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .config import load_recipe
-
     recipe = load_recipe(args.recipe, args.overrides)
     if args.command == "cache-features":
-        from .features import cache_features
-
         print(f"feature cache written to {cache_features(recipe)}")
         return 0
-    from .train import train
-
     run_dir = train(recipe, resume=args.resume, overwrite=args.overwrite, show_progress=not args.no_progress)
     print(f"run folder: {run_dir}")
     return 0

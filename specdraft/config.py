@@ -19,7 +19,10 @@ from typing import Any
 
 import yaml
 
+from .decoding.verify import VERIFY_BACKENDS
+from .drafters import get_family
 from .errors import SpecdraftError
+from .recipe_files import resolve_recipe
 
 # Drafts per step, at most: a step holds each draft's [V] probabilities, and a draft at depth 64 is accepted
 # with probability alpha^64 (about 1e-6 at alpha 0.8). 4-8 is typical.
@@ -224,8 +227,6 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def parse_recipe(raw: dict) -> Recipe:
-    from .drafters import get_family
-
     raw = dict(raw)
     drafter_raw = raw.get("drafter")
     if not isinstance(drafter_raw, dict) or "family" not in drafter_raw:
@@ -268,8 +269,6 @@ def parse_recipe(raw: dict) -> Recipe:
 
 
 def _check_values(r: Recipe) -> None:
-    from .decoding.verify import VERIFY_BACKENDS
-
     t = r.training
     if (t.max_steps is None) == (t.epochs is None):
         raise SpecdraftError("set exactly one of 'training.max_steps' and 'training.epochs'")
@@ -354,8 +353,6 @@ def flatten(config: dict, prefix: str = "") -> dict:
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """A recipe file, or a shipped recipe's name (``toy_eagle3``), with ``key.sub=value`` overrides."""
-    from .recipe_files import resolve_recipe
-
     path = resolve_recipe(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}

@@ -318,7 +318,7 @@ class Family:
     exporters: dict[str, Exporter | FolderExporter] = field(default_factory=dict)
     needs_draft_vocab: bool = False  # the loop builds d2t/t2d of cfg.draft_vocab_size from the training data
     # (optimizer, recipe, total_steps) -> LR scheduler, for a family whose training has phases (a
-    # re-warmup at a stage switch); None: the recipe's warmup and decay (specdraft.train.make_scheduler).
+    # re-warmup at a stage switch); None: the recipe's warmup and decay (specdraft.optim.make_scheduler).
     lr_schedule: Callable[..., Any] | None = None
     # cfg -> {parameter-name prefix in trained_module(): lr multiplier}; each prefix gets its own optimizer
     # groups at optimizer.lr x multiplier (Medusa-2's heads train at 4x the adapters' lr). None: one lr.

@@ -29,12 +29,16 @@ from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_folder, describe_bytes, is_disk_full
 from .checkpoint import damaged_drafter_message, find_drafter_dir
 from .contract import Exporter, ExportOptions, FolderExporter
+from .drafters import FAMILIES, load_drafter
+from .dtypes import export_dtype
 from .errors import SpecdraftError
 from .target import resolve_target_path
 from .target_fingerprint import check_target
@@ -55,15 +59,11 @@ DRAFTER_FOLDER = Exporter(write=_copy, read_back=lambda saved, tensors: tensors)
 
 def exporters_of(family: str) -> dict[str, Exporter]:
     """A family's formats: its own exporters, and the copy as "hf" unless it has its own."""
-    from .drafters import FAMILIES
-
     own = FAMILIES[family].exporters if family in FAMILIES else {}
     return {"hf": DRAFTER_FOLDER, **own}
 
 
 def all_formats() -> list[str]:
-    from .drafters import FAMILIES
-
     return sorted({"hf", *(fmt for family in FAMILIES.values() for fmt in family.exporters)})
 
 
@@ -100,8 +100,6 @@ def _target_file(target: str, filename: str) -> Path | None:
     if Path(target).is_dir():
         path = Path(target) / filename
         return path if path.is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
 
     try:
         return Path(hf_hub_download(target, filename))
@@ -142,13 +140,6 @@ def read_target_embedding(target: str) -> torch.Tensor:
         if TARGET_EMBED not in f.keys():
             raise SpecdraftError(f"{file} holds no {TARGET_EMBED}; pass --target with the target's own checkpoint")
         return f.get_tensor(TARGET_EMBED)
-
-
-def export_dtype(saved: dict, tensors: dict) -> str:
-    """The dtype the engines run the draft in: the target's, else that of the trained weights."""
-    tc = saved.get("target_config") or {}
-    floating = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
-    return tc.get("dtype") or tc.get("torch_dtype") or str(floating).removeprefix("torch.")
 
 
 def _target_embedding(saved: dict, tensors: dict, target: str) -> torch.Tensor:
@@ -290,8 +281,6 @@ def load_exported(path: str | Path, target):
     exactly what ``export`` writes for its drafter (config and tensors), so what an engine reads is
     what was trained, and a shipped embedding must be ``target``'s.
     """
-    from .drafters import load_drafter
-
     path = Path(path)
     if not (path / SIDE_FILE).is_file():  # a copy ("hf" of most families) is a drafter folder
         return load_drafter(path, target)

@@ -25,10 +25,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from .config import Recipe
 from .contract import TargetNeeds, TargetOutputs
+from .data.pipeline import build_datasets, data_fingerprint, tokenizer_fingerprint
 from .errors import SpecdraftError
+from .recipe_target import load_target, recipe_needs
 
 SHARD_SIZE = 256
 
@@ -46,8 +49,6 @@ def cache_key(recipe: Recipe, target, kept: TargetNeeds) -> str:
     (retrained, another revision under the same folder) gives other features, and a cache of the
     old one must not be read as if it were the new one's. ``kept``: what the cache stores (``stored``).
     """
-    from .data.pipeline import data_fingerprint, tokenizer_fingerprint
-
     parts = [recipe.data.path, recipe.data.format, recipe.data.max_length, recipe.data.eval_fraction,
              recipe.data.eval_path, recipe.data.max_samples, recipe.data.seed, recipe.data.chat_template,
              recipe.target.path, recipe.target.dtype, list(kept.taps), kept.final_hidden, target.num_layers,
@@ -80,11 +81,6 @@ def _bytes_needed(datasets: dict, target) -> int:
 
 def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
     """Write the feature cache for the recipe (resuming a partial one)."""
-    from tqdm.auto import tqdm
-
-    from .data.pipeline import build_datasets
-    from .train import load_target, recipe_needs
-
     if not recipe.training.feature_cache:
         raise SpecdraftError("set training.feature_cache to the folder to write (e.g. training.feature_cache=cache/feat)")
     out = Path(recipe.training.feature_cache)

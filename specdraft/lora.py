@@ -4,6 +4,7 @@ mean, their checks, and the error that names the modules a model does have."""
 
 from __future__ import annotations
 
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from .errors import SpecdraftError
@@ -33,8 +34,6 @@ def check_lora_modules(names, model: nn.Module, whose: str = "target") -> None:
 
 def with_lora(model: nn.Module, r: int, alpha: int, dropout: float, modules, whose: str = "target"):
     """``model`` with peft's LoRA adapters injected in place (only lora_A / lora_B train); the PeftModel."""
-    from peft import LoraConfig, get_peft_model
-
     check_lora_modules(modules, model, whose)
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                                             target_modules=list(modules)))

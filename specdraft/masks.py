@@ -1,8 +1,10 @@
-"""Attention masks shared by the target and every drafter, so both see the same context."""
+"""Attention masks shared by the target and every drafter, so both see the same context, and the shift
+that lines a position up with the token n ahead."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def block_causal_mask(attention_mask: torch.Tensor, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -20,3 +22,8 @@ def block_causal_mask(attention_mask: torch.Tensor, seq_ids: torch.Tensor | None
     # A fully padded query row would softmax over nothing (NaN); let it see itself.
     keep = keep | torch.eye(T, dtype=torch.bool, device=device)[None]
     return keep[:, None]
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, n:] padded back to length T with ``fill``: position t now holds x[:, t + n]."""
+    return F.pad(x[:, n:], (0, n), value=fill)

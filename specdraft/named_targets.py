@@ -24,7 +24,17 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
 from .atomic import atomic_folder
+from .dtypes import resolve_dtype
 from .errors import SpecdraftError
 
 RECORD = "specdraft_target.json"  # how the folder was made; its presence marks a complete folder
@@ -98,9 +108,6 @@ def materialize(name: str, dtype: str = "float32", cache_dir: Path | None = None
 
 
 def _load_gguf(gguf: Path):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kwargs = {"gguf_file": gguf.name}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
@@ -114,12 +121,6 @@ def _load_gguf(gguf: Path):
 
 
 def _convert(name: str, gguf: Path, digest: str, folder: Path, dtype: str, log) -> None:
-    import torch
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .target import resolve_dtype
-
     log(f"converting {gguf.name} to a {dtype} transformers folder at {folder} (once; about half a minute)")
     loaded, tokenizer = _load_gguf(gguf)
     config = loaded.config.to_dict()

@@ -21,10 +21,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .config import load_recipe
+from .data.regenerate import regenerate
+from .dtypes import resolve_dtype
 from .errors import SpecdraftError
+from .evaluation.suites import load_suite
+from .export import export
 from .recipe_files import shipped_recipes_dir
+from .target import resolve_target_path
+from .toy_target import heldout_prompt_sets, toy_prompts
+from .train import train
 
 RECIPES_DIR = shipped_recipes_dir()  # the shipped recipes (the repository's recipes/, installed with the package)
 HELDOUT_ANSWERS = 48  # default: held-out prompts the target answers for the training run's eval metrics
@@ -57,8 +67,6 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def prompts_from_file(path: Path, train: int, heldout: int) -> tuple[list[dict], list[dict]]:
     """(train, held-out) prompts from a ``turns``-format JSONL: a seeded shuffle, the held-out ones from the end."""
-    from .evaluation.suites import load_suite
-
     prompts = [{"question_id": p.id, "category": p.category, "turns": p.turns} for p in load_suite(path)]
     if len(prompts) < train + heldout:
         raise SpecdraftError(f"{path} has {len(prompts)} prompts; --train-prompts + --eval-prompts + "
@@ -69,16 +77,6 @@ def prompts_from_file(path: Path, train: int, heldout: int) -> tuple[list[dict],
 
 def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_prompts: int | None, overwrite: bool,
                heldout_answers: int = HELDOUT_ANSWERS, target: str = "toy", prompts_file: Path | None = None) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .config import load_recipe
-    from .data.regenerate import regenerate
-    from .export import export
-    from .target import resolve_dtype, resolve_target_path
-    from .toy_target import heldout_prompt_sets, toy_prompts
-    from .train import train
-
     if target not in QUICKSTART_TARGETS:
         raise SpecdraftError(f"the quickstart knows the targets {', '.join(QUICKSTART_TARGETS)}; for another "
                              f"target, write a recipe and run `specdraft train` (see recipes/)")

@@ -18,6 +18,7 @@ temporary folders of atomic writes), with ``recipe.yaml`` naming a drafter famil
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import checkpoint_dirs
+from .checkpoint import STATE_FILE, checkpoint_dirs
 from .config import flatten
 from .errors import SpecdraftError
 
@@ -210,10 +211,6 @@ RESUME_MAY_CHANGE = ("training.log_every", "training.eval_every", "training.eval
 def checkpoint_recipe(run_dir: Path, ckpt: Path) -> dict | None:
     """The recipe a checkpoint was trained with: its own record (trainer_state.json), else, for a
     checkpoint written before checkpoints recorded it, the run's recipe.yaml."""
-    import json
-
-    from .checkpoint import STATE_FILE
-
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, ValueError) as e:

@@ -30,6 +30,7 @@ import os
 import platform
 import shutil
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -37,9 +38,39 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import SpecdraftError
+import torch
 
-from .decoding.verify import resolve_verify_backend
+# Triton reads TRITON_INTERPRET when triton.language is first imported (its own @jit helpers), and peft, which the
+# imports below reach through the families, imports it. Without CUDA the self-test checks the kernels' logic in
+# Triton's interpreter, so the variable is set here, before that import (tests/conftest.py does the same).
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from .config import parse_recipe  # noqa: E402
+from .contract import FolderExporter  # noqa: E402
+from .decoding.batched import fresh_sources, speculative_decode_batch  # noqa: E402
+from .decoding.speculative import TreeDrafting, speculative_decode  # noqa: E402
+from .decoding.tree_verify import verify_tree_reference, verify_tree_triton  # noqa: E402
+from .decoding.trees import NAMED_TREES  # noqa: E402
+from .decoding.verify import resolve_verify_backend, verify_reference, verify_triton  # noqa: E402
+from .drafters import load_drafter  # noqa: E402
+from .errors import SpecdraftError  # noqa: E402
+from .evaluation.suites import Prompt, prompt_token_ids  # noqa: E402
+from .evaluation.verify_cost import format_curve, measure_forward_costs  # noqa: E402
+from .export import check_exported, export, exporters_of, load_exported  # noqa: E402
+from .selftest_verify import (  # noqa: E402
+    FALSE_ALARM,
+    STAT_STEPS,
+    agreement_grids,
+    chain_exactness,
+    compare,
+    tree_exactness,
+)
+from .target import FrozenTarget, resolve_target_path  # noqa: E402
+from .toy_target import definition_prompts  # noqa: E402
+from .train import train  # noqa: E402
 
 FAMILY_ORDER = ("eagle1", "eagle3", "medusa1", "medusa2", "mlp_speculator", "distillspec")
 PACKAGES = ("torch", "triton", "transformers", "accelerate", "peft", "deepspeed", "datasets", "safetensors")
@@ -92,8 +123,6 @@ class Setup:
 
 def environment(device) -> dict[str, str]:
     """What ``ds_report`` shows: versions of what specdraft runs on, the device, and the verify backend."""
-    import torch
-
     info = {"python": platform.python_version(), "specdraft": _version("specdraft")}
     info.update({name: _version(name) for name in PACKAGES})
     info["torch CUDA"] = torch.version.cuda or "none (a CPU build)"
@@ -125,8 +154,6 @@ def _version(name: str) -> str:
 
 
 def check_verify_agreement(setup: Setup, tree: bool) -> tuple[bool | None, str]:
-    from .selftest_verify import agreement_grids, compare
-
     if _version("triton") == "not installed":
         return None, "triton is not installed: the reference verifies on this device, nothing to compare"
     if setup.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -143,10 +170,6 @@ def check_verify_agreement(setup: Setup, tree: bool) -> tuple[bool | None, str]:
 
 
 def check_exactness(setup: Setup) -> tuple[bool, str]:
-    from .decoding.tree_verify import verify_tree_reference, verify_tree_triton
-    from .decoding.verify import verify_reference, verify_triton
-    from .selftest_verify import FALSE_ALARM, STAT_STEPS, chain_exactness, tree_exactness
-
     triton = resolve_verify_backend("auto", setup.device) == "triton"
     steps = STAT_STEPS // 2 if setup.quick else STAT_STEPS
     p_values = {**chain_exactness(verify_triton if triton else verify_reference, setup.device, steps),
@@ -166,10 +189,6 @@ def check_exactness(setup: Setup) -> tuple[bool, str]:
 def toy_chat_data(path: Path, files: tuple[str, ...], count: int) -> Path:
     """``count`` chat samples: 'Write the function f in x.py' answered with f's source (the toy target's own
     training data, cut to the first lines)."""
-    import sysconfig
-
-    from .toy_target import definition_prompts
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     pairs = [pair for name in files for pair in definition_prompts(name, (stdlib / name).read_text(encoding="utf-8"))]
     if len(pairs) < count:
@@ -199,12 +218,6 @@ def family_recipe(setup: Setup, family: str, data: Path, run_dir: Path, steps: i
 def check_training(setup: Setup, family: str, data: Path) -> tuple[bool, str]:
     """Train; the loss falls (the last epoch's mean below the first's, over the same samples); resume a copy
     from the middle checkpoint: identical weights; export every format and read it back: identical weights."""
-    import torch
-    from safetensors.torch import load_file
-
-    from .config import parse_recipe
-    from .train import train
-
     steps = TRAIN_STEPS
     run_dir = setup.work / "runs" / family
     raw = family_recipe(setup, family, data, run_dir, steps)
@@ -240,13 +253,6 @@ def check_training(setup: Setup, family: str, data: Path) -> tuple[bool, str]:
 def check_exports(setup: Setup, family: str, run_dir: Path) -> dict[str, str]:
     """Each format of the family, exported and read back (a whole-model export through its own check): the
     weights equal the trained drafter's, in the export's dtype."""
-    import torch
-
-    from .contract import FolderExporter
-    from .drafters import load_drafter
-    from .export import check_exported, export, exporters_of, load_exported
-    from .target import FrozenTarget, resolve_target_path
-
     target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
     trained = load_drafter(run_dir / "drafter", target).trained_module().state_dict()
     verdicts = {}
@@ -278,15 +284,11 @@ class _deterministic:
 
     def __enter__(self):
         if self.cuda:
-            import torch
-
             self.before = torch.are_deterministic_algorithms_enabled()
             torch.use_deterministic_algorithms(True, warn_only=True)
 
     def __exit__(self, *exc):
         if self.cuda:
-            import torch
-
             torch.use_deterministic_algorithms(self.before)
 
 
@@ -296,11 +298,6 @@ class _deterministic:
 def decoding_prompts(tokenizer, count: int) -> list[list[int]]:
     """``count`` chat prompts of 40 to 60 tokens asking for definitions in the toy's held-out files: similar
     lengths, so that compile_target's cache sizes (powers of two) are few and its graphs few."""
-    import sysconfig
-
-    from .evaluation.suites import Prompt, prompt_token_ids
-    from .toy_target import definition_prompts
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     asks = [ask for name in PROMPT_FILES
             for ask, _ in definition_prompts(name, (stdlib / name).read_text(encoding="utf-8"))]
@@ -317,14 +314,6 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
     """The trained drafter in the decoder, float32 target: chain and (where the family drafts one) tree, one
     prompt at a time with and without compile_target, and 4 prompts batched; every output must be what
     transformers' generate() gives greedily."""
-    import torch
-
-    from .decoding.batched import fresh_sources, speculative_decode_batch
-    from .decoding.speculative import TreeDrafting, speculative_decode
-    from .decoding.trees import NAMED_TREES
-    from .drafters import load_drafter
-    from .target import FrozenTarget, resolve_target_path
-
     if family not in setup.runs:
         return None, "its training failed: nothing to decode"
     target, drafters = shared_decoding(setup)
@@ -378,9 +367,6 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
 def shared_decoding(setup: Setup):
     """One float32 target with every trained drafter that leaves it frozen loaded on it, before any decodes: its
     needs (EAGLE's taps) are then final, so compile_target's graphs, one per step width, serve every family."""
-    from .drafters import load_drafter
-    from .target import FrozenTarget, resolve_target_path
-
     if setup.decoding is None:
         target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
         drafters = {}
@@ -394,8 +380,6 @@ def shared_decoding(setup: Setup):
 
 
 def _generate(model, ids, max_new_tokens: int, eos: int) -> list[int]:
-    import torch
-
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
@@ -407,11 +391,6 @@ def _generate(model, ids, max_new_tokens: int, eos: int) -> list[int]:
 
 def check_verify_cost(setup: Setup) -> tuple[bool, str, str]:
     """The curve on the toy target (float32) at proposal widths 1..8 and batch sizes (1, 4; on CUDA also 16, 64)."""
-    import torch
-
-    from .evaluation.verify_cost import format_curve, measure_forward_costs
-    from .target import FrozenTarget, resolve_target_path
-
     target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
     ids = decoding_prompts(target.tokenizer, 1)[0]
     widths = (1, 2, 4, 6, 8) if setup.quick else tuple(range(1, 9))
@@ -428,8 +407,6 @@ def check_verify_cost(setup: Setup) -> tuple[bool, str, str]:
 
 
 def pick_device(requested: str | None):
-    import torch
-
     if requested is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -464,8 +441,6 @@ def selftest(device=None, quick: bool = False, out: str | Path = "selftest", fam
              show: bool = True) -> list[Check]:
     """Run every check (training and decoding for ``families``, default all); print (``show``) and write
     OUT/selftest.{md,json}; return the checks."""
-    import torch
-
     families = FAMILY_ORDER if families is None else families
 
     device = pick_device(device) if not isinstance(device, torch.device) else device

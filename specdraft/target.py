@@ -18,23 +18,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .contract import TargetNeeds, TargetOutputs
+from .dtypes import resolve_dtype
 from .errors import SpecdraftError
 from .masks import block_causal_mask
+from .named_targets import NAMED_TARGETS, materialize
+from .toy_target import toy_target_path
 from .transformers_compat import cache_kwargs
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_target_path(path: str, dtype: str = "float32") -> str:
     """A folder or hub id for ``path``. ``toy`` names the toy target shipped with specdraft; a name in
     ``NAMED_TARGETS`` (``smollm2-135m-instruct``) is converted once into a cached ``dtype`` folder."""
-    from .named_targets import NAMED_TARGETS, materialize
-
     if path == "toy":
-        from .toy_target import toy_target_path
-
         return str(toy_target_path())
     if path in NAMED_TARGETS:
         return str(materialize(path, dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")))
@@ -43,8 +41,6 @@ def resolve_target_path(path: str, dtype: str = "float32") -> str:
 
 def load_target_config(name_or_path: str | Path, trust_remote_code: bool = False):
     """The target's transformers config alone: what a family's ``needs`` reads before any weight loads."""
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -69,14 +65,6 @@ def check_taps(taps: tuple[int, ...], num_layers: int) -> None:
                 f"tap layer {t} is out of range: the target has {num_layers} decoder layers, so taps must be in "
                 f"0..{num_layers - 1} (input of that layer). Fix target.taps in the recipe."
             )
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise SpecdraftError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 class FrozenTarget(nn.Module):
@@ -133,8 +121,6 @@ class FrozenTarget(nn.Module):
         device: str | torch.device | None = None,
         attn_implementation: str | None = None,
     ) -> FrozenTarget:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         config = load_target_config(name_or_path, trust_remote_code)
         kwargs = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
         if attn_implementation:
@@ -148,8 +134,6 @@ class FrozenTarget(nn.Module):
     @classmethod
     def from_config(cls, config, needs: TargetNeeds | None = None, device: str = "meta") -> FrozenTarget:
         """A target with random (or, on "meta", no) weights: tests, and sizing real models offline."""
-        from transformers import AutoModelForCausalLM
-
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config)
         return cls(model, needs)

@@ -28,7 +28,8 @@ PROBE_VALUES = 64
 def embedding_probe(weight: torch.Tensor) -> dict:
     """The fingerprint of a token embedding: its shape and ``PROBE_VALUES`` evenly spaced values."""
     flat = weight.detach().reshape(-1)
-    index = torch.linspace(0, flat.numel() - 1, PROBE_VALUES, device=flat.device).long()
+    # float64: float32 positions round past the last element once it has 2^24 or more (SmolLM2's has 28M)
+    index = torch.linspace(0, flat.numel() - 1, PROBE_VALUES, dtype=torch.float64, device=flat.device).long()
     return {"shape": list(weight.shape), "values": flat[index].float().cpu().tolist()}
 
 

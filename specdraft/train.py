@@ -12,6 +12,7 @@ what the target computes, and the drafter names the module that trains (``traine
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -21,10 +22,14 @@ from typing import Any
 
 import torch
 import yaml
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch import nn
+from tqdm.auto import tqdm
 
 from .atomic import atomic_folder, describe_bytes
 from .checkpoint import (
+    STATE_FILE,
     checkpoint_dirs,
     full_parameters,
     load_checkpoint,
@@ -32,18 +37,26 @@ from .checkpoint import (
 )
 from .config import Recipe
 from .contract import Drafter, TargetNeeds, TrainingContext
-from .drafters import declared_needs, get_family, load_drafter
+from .data.collate import Collator, pad_token_id_of
+from .data.formats import check_data_source
+from .data.pipeline import build_datasets, data_fingerprint, vocab_cache_key_parts
+from .data.vocab import build_draft_vocab
+from .decoding.sampling import SamplingParams
+from .decoding.sources import PromptLookupSource
+from .drafters import get_family, load_drafter
+from .dtypes import resolve_dtype
 from .errors import SpecdraftError
+from .evaluation.report import format_table
+from .evaluation.run import evaluate as evaluate_decoding
+from .evaluation.run import family_report
+from .evaluation.suites import load_suite
+from .features import check_feature_cache, open_feature_caches, with_sample_index
 from .named_targets import cache_home
+from .optim import make_scheduler, param_groups
+from .recipe_target import load_target, recipe_needs
 from .run_folder import Replacement, check_run_dir, resume_changes
+from .target import FrozenTarget
 from .target_fingerprint import embedding_probe, record_target
-from .target import (
-    FrozenTarget,
-    check_taps,
-    load_target_config,
-    resolve_dtype,
-    resolve_target_path,
-)
 from .train_parts import (
     RunState,
     StopRequested,
@@ -52,10 +65,8 @@ from .train_parts import (
     deepspeed_arguments,
     flat_config,
     load_models_whole,
-    make_scheduler,
     mean_over_batches,
     mean_over_processes,
-    param_groups,
 )
 
 
@@ -114,8 +125,6 @@ class Run:
 
 def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_progress: bool = True) -> Path:
     """Train the recipe's drafter; returns the run folder (with ``drafter/`` when finished)."""
-    from tqdm.auto import tqdm
-
     needs = check_before_loading(recipe, resume, overwrite)
     run = build_run(recipe, resume, overwrite, needs)
     bar = tqdm(total=run.total_steps, initial=run.state.step, desc="train", unit="step", dynamic_ncols=True,
@@ -149,9 +158,6 @@ def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> Targe
     """Everything that can be checked before the target's weights load: the run folder rules, the
     data files, the eval prompt file, the feature cache, and what the family needs of this target
     (from its config alone). A mistake then costs seconds, not a load. Returns those needs."""
-    from .data.formats import check_data_source
-    from .features import check_feature_cache
-
     check_run_dir(recipe, resume, overwrite)
     if resume:
         resume_changes(recipe, Path(recipe.checkpoint.output_dir))
@@ -163,42 +169,14 @@ def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> Targe
     if recipe.data.eval_path:
         check_data_source(recipe.data.eval_path)
     if recipe.eval.enabled and recipe.eval.prompts:
-        from .evaluation.suites import load_suite
-
         load_suite(recipe.eval.prompts, recipe.eval.num_prompts)
     needs = recipe_needs(recipe)
     check_feature_cache(recipe, needs)
     return needs
 
 
-def recipe_needs(recipe: Recipe, target_config=None) -> TargetNeeds:
-    """What the recipe's drafter needs from its target, from the target's config alone (no weights):
-    the family's declaration, with ``target.taps`` in place of its default layers."""
-    cfg = recipe.target
-    if target_config is None:
-        target_config = load_target_config(resolve_target_path(cfg.path, cfg.dtype), cfg.trust_remote_code)
-    needs = declared_needs(get_family(recipe.drafter_family), recipe.drafter, target_config, cfg.taps)
-    check_taps(needs.taps, target_config.num_hidden_layers)
-    return needs
-
-
-def load_target(recipe: Recipe, device, needs: TargetNeeds) -> FrozenTarget:
-    cfg = recipe.target
-    return FrozenTarget.from_pretrained(
-        resolve_target_path(cfg.path, cfg.dtype), dtype=cfg.dtype, needs=needs,
-        trust_remote_code=cfg.trust_remote_code, device=device, attn_implementation=cfg.attn_implementation,
-    )
-
-
 def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds) -> Run:
     """The accelerator, the target computing ``needs``, the data, the drafter, and everything wrapped."""
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, set_seed
-
-    from .data.collate import Collator, pad_token_id_of
-    from .data.pipeline import build_datasets
-    from .features import open_feature_caches, with_sample_index
-
     tcfg = recipe.training
     run_dir = Path(recipe.checkpoint.output_dir)
     trackers = [t for t in recipe.tracking.trackers if t != "none"]
@@ -263,17 +241,11 @@ def _local_data_files(recipe: Recipe) -> dict[str, str]:
 def data_fingerprints(recipe: Recipe) -> dict[str, str]:
     """A hash of each local data file the run trains and evaluates on (``data.path``, ``data.eval_path``),
     recorded in every checkpoint, so a resume can tell the same path with other content."""
-    from .data.pipeline import data_fingerprint
-
     return {key: data_fingerprint(path, recipe.data.split) for key, path in _local_data_files(recipe).items()}
 
 
 def check_resumed_data(recipe: Recipe) -> None:
     """--resume: the data files must hold what the checkpoint trained on (checkpoints record their hashes)."""
-    import json
-
-    from .checkpoint import STATE_FILE
-
     ckpt = checkpoint_dirs(Path(recipe.checkpoint.output_dir))[-1]
     recorded = json.loads((ckpt / STATE_FILE).read_text()).get("data_fingerprints") or {}
     files = _local_data_files(recipe)
@@ -291,8 +263,6 @@ def _draft_vocab(recipe: Recipe, family, target: FrozenTarget, train_ds):
     size = getattr(recipe.drafter, "draft_vocab_size", None)
     if not (family.needs_draft_vocab and size and size < target.vocab_size):
         return None
-    from .data.pipeline import vocab_cache_key_parts
-    from .data.vocab import build_draft_vocab
 
     return build_draft_vocab(train_ds, target.vocab_size, size, cache_dir=cache_home() / "draft_vocab",
                              cache_key_parts=vocab_cache_key_parts(recipe.data, target.tokenizer))
@@ -516,12 +486,6 @@ def eval_target(recipe: Recipe, target: FrozenTarget) -> FrozenTarget:
 def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path, wandb_run=None,
                     show_progress: bool = True) -> dict[float, dict]:
     """The recipe's ``eval:`` section: the trained drafter in the real decoder, per temperature."""
-    from .decoding.sampling import SamplingParams
-    from .decoding.sources import PromptLookupSource
-    from .evaluation.report import format_table
-    from .evaluation.run import evaluate as evaluate_decoding
-    from .evaluation.run import family_report
-
     cfg = recipe.eval
     if not cfg.prompts:
         print("acceptance eval skipped: set eval.prompts to a prompt suite (e.g. Spec-Bench questions JSONL)")

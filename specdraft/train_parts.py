@@ -11,10 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
+)
+from transformers.integrations import unset_hf_deepspeed_config
 
-from .config import Recipe, flatten
-from .errors import SpecdraftError
+from .config import flatten
 
 
 @dataclass
@@ -32,7 +37,6 @@ def ddp_arguments(family) -> dict:
     (``Family.unused_parameters``) needs DDP to look for them, or DDP raises at the next step (its reduction never finished)."""
     if not family.unused_parameters:
         return {}
-    from accelerate.utils import DistributedDataParallelKwargs
 
     return {"kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True)]}
 
@@ -45,7 +49,6 @@ def deepspeed_arguments(tcfg) -> dict:
     """Extra ``Accelerator`` arguments when launched for DeepSpeed, else none."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return {}
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     # Under DeepSpeed, clip_grad_norm_ is a no-op and the engine clips: the JSON's "auto"
     # gradient_clipping takes the recipe's value. zero3_init_flag=False: the target is loaded
@@ -65,49 +68,9 @@ def load_models_whole(accelerator) -> None:
     and under ZeRO-3 ``from_pretrained`` would then shard the target, which never enters
     the engine, so its forward would see empty weights.
     """
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        from transformers.integrations import unset_hf_deepspeed_config
-
         unset_hf_deepspeed_config()
 # -- DeepSpeed (end) ----------------------------------------------------------------------------
-
-
-def param_groups(model: nn.Module, weight_decay: float, lr: float,
-                 lr_multipliers: dict[str, float] | None = None) -> list[dict]:
-    """AdamW groups: decay matrices only (norms and biases are scale parameters, decaying them only
-    hurts), each at ``lr`` times the multiplier of the longest ``lr_multipliers`` prefix its name has."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise SpecdraftError("the drafter has no trainable parameters; check the drafter family config")
-    prefixes = sorted(lr_multipliers or {}, key=len, reverse=True)
-    unmatched = [prefix for prefix in prefixes if not any(n.startswith(prefix) for n, _ in params)]
-    if unmatched:  # a family naming parameters it does not have would silently train them at 1x
-        raise SpecdraftError(f"the family's lr_multipliers name {unmatched}, which match no trained parameter")
-
-    def multiplier(name: str) -> float:
-        return next((lr_multipliers[prefix] for prefix in prefixes if name.startswith(prefix)), 1.0)
-
-    groups: dict[tuple[bool, float], list] = {}
-    for name, param in params:
-        groups.setdefault((param.ndim >= 2, multiplier(name)), []).append(param)
-    return [{"params": group, "weight_decay": weight_decay if decays else 0.0, "lr": lr * scale}
-            for (decays, scale), group in sorted(groups.items(), key=lambda item: (-item[0][0], item[0][1]))]
-
-
-def make_scheduler(optimizer, recipe: Recipe, total_steps: int):
-    """The recipe's warmup then decay (``optimizer.schedule``), stepped once per optimizer step."""
-    from transformers import get_scheduler
-
-    o = recipe.optimizer
-    name, extra = {
-        "cosine": ("cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}),
-        "linear": ("linear", {}),
-        "constant": ("constant_with_warmup", {}),
-    }[o.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=extra or None)
 
 
 class StopRequested:

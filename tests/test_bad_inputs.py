@@ -357,6 +357,16 @@ def test_a_drafter_records_the_target_it_trained_for(world):
         torch.linspace(0, embedding.numel() - 1, 64).long()])
 
 
+def test_the_probe_of_an_embedding_of_2_to_the_24_or_more_values_ends_at_its_last():
+    """SmolLM2's embedding (49152 x 576, 28M values): float32 positions rounded past its end (an IndexError)."""
+    from specdraft.target_fingerprint import embedding_probe
+
+    weight = torch.zeros(49152, 576, dtype=torch.uint8)
+    weight.view(-1)[-1] = 7
+    values = embedding_probe(weight)["values"]
+    assert len(values) == 64 and values[-1] == 7.0 and values[0] == 0.0
+
+
 def test_a_null_message_names_its_record_without_datasets_too():
     """The same refusal when local data is read into Records (the GPU machine has no `datasets`)."""
     from specdraft.data.formats import normalize

@@ -131,7 +131,7 @@ def recipe_on_meta(path, family: str):
     real dimensions computing what the recipe needs: (recipe, target config, target)."""
     from specdraft.config import parse_recipe
     from specdraft.target import FrozenTarget
-    from specdraft.train import recipe_needs
+    from specdraft.recipe_target import recipe_needs
 
     recipe = load_recipe(path)
     assert recipe.drafter_family == family
@@ -147,7 +147,7 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
     from specdraft.data.vocab import DraftVocab
     from specdraft.drafters import get_family
     from specdraft.target import FrozenTarget
-    from specdraft.train import recipe_needs
+    from specdraft.recipe_target import recipe_needs
 
     recipe = load_recipe(path)
     config = target_config_for(recipe.target.path)

@@ -17,7 +17,7 @@ from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, get_family, load_drafter
 from specdraft.drafters.eagle1 import EAGLE1, Eagle1Config
 from specdraft.drafters.eagle3 import EAGLE3, Eagle3Config
-from specdraft.drafters.eagle_common import shift_left
+from specdraft.masks import shift_left
 from specdraft.drafters.eagle_losses import (
     draft_vocab_probs,
     eagle1_loss,

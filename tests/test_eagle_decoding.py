@@ -13,7 +13,7 @@ from specdraft.data.vocab import DraftVocab, top_tokens
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.speculative import plain_decode, speculative_decode
 from specdraft.drafters import get_family
-from specdraft.drafters.eagle_common import shift_left
+from specdraft.masks import shift_left
 from specdraft.masks import block_causal_mask
 from specdraft.target import FrozenTarget
 

@@ -827,10 +827,10 @@ def test_vllm_options_override_the_recipe(e3, tmp_path):
 def test_the_toy_shortcut_is_named_by_its_folder(e3, tmp_path, monkeypatch):
     """target.path "toy" is a specdraft shortcut: the export names (and reads) the folder it stands for,
     through the same resolve_target_path training uses."""
-    import specdraft.toy_target
+    import specdraft.target
 
     target, drafter, _, target_dir = e3
-    monkeypatch.setattr(specdraft.toy_target, "toy_target_path", lambda: target_dir)
+    monkeypatch.setattr(specdraft.target, "toy_target_path", lambda: target_dir)  # where resolve_target_path looks
     run = make_run(tmp_path, drafter, "toy")
     for fmt in ("vllm", "sglang"):
         out = export(run, fmt, tmp_path / fmt)
@@ -847,7 +847,7 @@ def test_a_relative_target_path_is_named_absolute(e3, tmp_path, monkeypatch):
 
 
 def test_a_hub_target_is_named_as_given_and_read_through_the_hub_cache(e3, tmp_path, monkeypatch):
-    import huggingface_hub
+    import specdraft.export as export_module
     from huggingface_hub.errors import EntryNotFoundError
 
     target, drafter, _, target_dir = e3
@@ -860,7 +860,7 @@ def test_a_hub_target_is_named_as_given_and_read_through_the_hub_cache(e3, tmp_p
             raise EntryNotFoundError(f"{repo_id}/{filename}")
         return str(path)
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(export_module, "hf_hub_download", hf_hub_download)  # the name export reads through
     out = export(make_run(tmp_path, drafter, "org/tiny-target"), "vllm", tmp_path / "vllm")
     assert vllm_eagle3_loads(out, target)[4] == "org/tiny-target"
     index = json.loads((target_dir / "model.safetensors.index.json").read_text())

@@ -71,7 +71,7 @@ def test_data_the_target_did_not_write_gets_a_warning_naming_regenerate():
 
 
 def test_lr_multipliers_naming_no_parameter_are_refused():
-    from specdraft.train_parts import param_groups
+    from specdraft.optim import param_groups
 
     module = torch.nn.ModuleDict({"heads": torch.nn.Linear(2, 2), "adapters": torch.nn.Linear(2, 2)})
     groups = param_groups(module, 0.1, 1e-3, {"heads.": 4.0})

@@ -87,10 +87,8 @@ def test_schedule_check_catches(tmp_path, target_dir, data, monkeypatch, mutant)
 
 
 def test_bf16_check_catches_mixed_precision_ignored(tmp_path, target_dir, data, monkeypatch, fresh_accelerate_state):
-    import accelerate
-
-    real = accelerate.Accelerator
-    monkeypatch.setattr(accelerate, "Accelerator", lambda **kwargs: real(**{**kwargs, "mixed_precision": "no"}))
+    real = train_module.Accelerator
+    monkeypatch.setattr(train_module, "Accelerator", lambda **kwargs: real(**{**kwargs, "mixed_precision": "no"}))
     with pytest.raises(AssertionError, match="bf16 changed nothing"):
         check_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, target_dir, data, monkeypatch)
 

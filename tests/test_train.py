@@ -241,10 +241,8 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path, m
     raw["drafter"] = {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 64}
     raw["eval"] = {"enabled": True, "prompts": str(questions), "num_prompts": 2, "k": 3,
                    "temperatures": [0.0], "max_new_tokens": 8, "verify_backend": "reference"}
-    import specdraft.evaluation.run as eval_run
-
-    backends, real_evaluate = [], eval_run.evaluate
-    monkeypatch.setattr(eval_run, "evaluate", lambda *a, **k: backends.append(k["verify_backend"]) or
+    backends, real_evaluate = [], train_module.evaluate_decoding
+    monkeypatch.setattr(train_module, "evaluate_decoding", lambda *a, **k: backends.append(k["verify_backend"]) or
                         real_evaluate(*a, **k))  # fmt: skip
     run_dir = train(parse_recipe(raw), show_progress=False)
     assert backends == ["reference"]  # eval.verify_backend reached the decoder's evaluate

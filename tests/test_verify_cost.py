@@ -140,7 +140,7 @@ def test_measured_curve_prices_every_key(target):
 def test_precompile_makes_every_first_turn_cache_size_before_anything_is_timed(target, monkeypatch):
     """evaluate(compile_target=...) compiles a graph per (cache size, step width, tree) up front: here the calls
     it makes, recorded instead of compiled (a prompt near the context end gets the budget that is left)."""
-    from specdraft.decoding import compiled_verify as compiled_verify_module
+    from specdraft.evaluation import run as eval_run_module
     from specdraft.evaluation.run import precompile
 
     calls = []
@@ -149,7 +149,7 @@ def test_precompile_makes_every_first_turn_cache_size_before_anything_is_timed(t
         def new_cache(self, positions, width, tree=False):
             calls.append((positions, width, tree))
 
-    monkeypatch.setattr(compiled_verify_module, "compiled_verify", lambda target, mode: Recording())
+    monkeypatch.setattr(eval_run_module, "compiled_verify", lambda target, mode: Recording())
     widths = {(1, False), (6, False), (9, True)}
     precompile(target, True, [10, 40, 10, 500], 20, widths)
     context = target.config.max_position_embeddings  # 512: the 500-token prompt has 12 tokens of budget left

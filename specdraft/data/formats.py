@@ -94,7 +94,7 @@ def load_raw(path: str, split: str = "train") -> datasets.Dataset | Records:
 
 def _has_no_records(path: Path) -> bool:
     if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: pyarrow (with datasets), for parquet files only
 
         return pq.ParquetFile(path).metadata.num_rows == 0
     with open(path, "rb") as f:  # JSON: blank if nothing but whitespace

@@ -13,17 +13,14 @@ import logging
 import math
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..config import DataConfig
 from ..errors import SpecdraftError
 from .chat import resolve_chat_template, tokenize_dialogue, tokenize_text
 from .formats import FILE_BUILDERS, datasets, load_raw, normalize, resolve_format
 from .records import Records
-
-if TYPE_CHECKING:
-    from ..config import DataConfig
 
 logger = logging.getLogger(__name__)
 

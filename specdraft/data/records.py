@@ -75,7 +75,7 @@ def read_local_file(path: Path) -> Records:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional: pyarrow (with datasets)
         except ImportError as e:
             raise SpecdraftError(f"reading {path} needs pyarrow or datasets: {INSTALL}") from e
         return Records(pq.read_table(path).to_pylist())

@@ -31,8 +31,12 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from ..dtypes import resolve_dtype
 from ..errors import SpecdraftError
+from ..features import weights_fingerprint
+from ..target import resolve_target_path
 from .chat import render, resolve_chat_template
 from .formats import from_messages, load_raw, resolve_format, to_messages
 
@@ -152,8 +156,6 @@ def read_done(output_path: Path) -> list[dict]:
 @torch.no_grad()
 def generate_batch(model, tokenizer, prompts: list[str], *, temperature: float, max_new_tokens: int) -> list[str]:
     """One ``generate`` call for all prompts (left-padded, so new tokens line up at the right)."""
-    from transformers import GenerationConfig
-
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = _stop_ids(model, tokenizer)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]  # the template has the BOS
@@ -249,8 +251,6 @@ def regenerate(
 
     An existing ``output_path`` is resumed if regenerate wrote it with the same settings, replaced if
     ``overwrite``, and refused otherwise (see the module docstring)."""
-    from ..features import weights_fingerprint
-
     output_path = Path(output_path)
     check_arguments(temperature, max_new_tokens, batch_size, max_samples)
     check_paths(input_path, output_path)
@@ -360,10 +360,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..target import resolve_dtype, resolve_target_path
-
     check_arguments(args.temperature, args.max_new_tokens, args.batch_size, args.max_samples)
     check_paths(args.data, Path(args.out))  # before the target loads
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,10 +13,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from ..errors import SpecdraftError
+from .records import Records
 
 
 @dataclass
@@ -47,8 +50,6 @@ class DraftVocab:
 
 def count_assistant_tokens(train_dataset, target_vocab_size: int) -> torch.Tensor:
     """[V] long: how often each token id appears where ``loss_mask`` is 1."""
-    import numpy as np
-
     counts = np.zeros(target_vocab_size, dtype=np.int64)
     for ids, mask in _token_batches(train_dataset):
         ids = ids[mask.astype(bool)]
@@ -64,14 +65,10 @@ def count_assistant_tokens(train_dataset, target_vocab_size: int) -> torch.Tenso
 def _token_batches(train_dataset):
     """(input_ids, loss_mask) flattened, 4096 samples at a time: from arrow for a ``datasets.Dataset``, from
     the lists of ``Records`` (the reader used without ``datasets``)."""
-    from tqdm.auto import tqdm
-
-    from .records import Records
-
     if isinstance(train_dataset, Records):
         yield train_dataset.token_arrays("input_ids"), train_dataset.token_arrays("loss_mask")
         return
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # optional: pyarrow (with datasets), for Arrow-backed data only
 
     batches = train_dataset.with_format("arrow").iter(batch_size=4096)
     for table in tqdm(batches, total=-(-len(train_dataset) // 4096), desc="counting assistant tokens", leave=False):

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from specdraft.contract import Proposal, TargetOutputs
-from specdraft.decoding.kv_cache import PreallocatedLayer, preallocated_cache, ragged_rows, rows_step_mask
+from specdraft.decoding.kv_cache import (
+    PreallocatedLayer,
+    preallocated_cache,
+    ragged_rows,
+    rows_step_mask,
+)
 from specdraft.decoding.sampling import SamplingParams, draw_drafts
 from specdraft.errors import SpecdraftError
 from specdraft.transformers_compat import cache_kwargs
@@ -214,8 +220,6 @@ def check_static_cache() -> None:
     """A compiled draft rolls its ``StaticCache`` back with ``crop``, which writes through a position counter
     (``StaticLayer.cumulative_length``); transformers releases without it are refused, naming the fix."""
     if "cumulative_length" not in getattr(StaticLayer, "__annotations__", {}):
-        import transformers
-
         raise SpecdraftError(
             f"compiling a draft LM needs a transformers whose StaticCache rolls back with crop() (5.23 or newer); "
             f"this is "

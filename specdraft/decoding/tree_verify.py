@@ -228,11 +228,12 @@ def verify_tree_triton(
         uniforms, exponentials, greedy, max_depth, check,
     )
     resolve_verify_backend("triton", target_probs.device)  # triton importable, CUDA or the interpreter
-    from specdraft.kernels.tree_sampler import tree_sample
+    from specdraft.kernels.tree_sampler import tree_sample  # optional: needs triton
 
     return tree_sample(
         node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
-        uniforms, exponentials, greedy, max_depth, block_v=block_v, num_splits=num_splits,
+        uniforms, exponentials, greedy, max_depth, mass_bits=mass_scale_bits(target_probs.shape[-1]),
+        block_v=block_v, num_splits=num_splits,
     )
 
 

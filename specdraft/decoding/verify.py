@@ -76,7 +76,7 @@ def resolve_verify_backend(requested: str, device: torch.device | str) -> str:
 def _triton_import_error() -> ImportError | None:
     """Why triton does not import, or None (after the first import this is a dict lookup)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  # optional: the triton extra
     except ImportError as err:
         return err
     return None
@@ -225,7 +225,7 @@ def verify_triton(
             uniforms, exponentials, greedy, max_spec_len, lenience,
         )  # fmt: skip
     resolve_verify_backend("triton", target_probs.device)  # triton importable, CUDA or the interpreter
-    from specdraft.kernels.rejection_sampler import rejection_sample
+    from specdraft.kernels.rejection_sampler import rejection_sample  # optional: needs triton
 
     return rejection_sample(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,

@@ -1,7 +1,7 @@
 """Drafter families. The registry is a plain dict: family name -> ``Family`` (``specdraft.contract``).
 
 A family lives in one module of this package; adding one means writing that
-module and one line here. The training loop, decoder and exporter never
+module and one line here. ``folder`` is the saved-folder IO every family uses. The training loop, decoder and exporter never
 branch on the family.
 """
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -58,8 +59,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..atomic import atomic_folder
 from ..contract import (
@@ -71,6 +73,7 @@ from ..contract import (
     TargetOutputs,
     TrainingContext,
 )
+from ..decoding.sources import DraftLMSource
 from ..errors import SpecdraftError
 from ..lora import LORA_MODULES, check_lora_settings, with_lora
 from ..losses import DIVERGENCES, acceptance_rate, distillation_view, generalized_jsd
@@ -183,7 +186,6 @@ def check_vocabulary(student, target, where: str) -> None:
 def check_tokenizer(path: Path, target) -> None:
     if target.tokenizer is None or not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return
-    from transformers import AutoTokenizer
 
     if AutoTokenizer.from_pretrained(str(path)).get_vocab() != target.tokenizer.get_vocab():
         raise SpecdraftError(
@@ -193,8 +195,6 @@ def check_tokenizer(path: Path, target) -> None:
 
 
 def new_student(target, cfg: DistillSpecConfig) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
     if cfg.init == "pretrained":
         path = Path(cfg.student_path)
         if not (path / "config.json").is_file():
@@ -351,7 +351,6 @@ class DistillSpecDrafter(nn.Module):
     # -- decoding and saving -------------------------------------------------------------------------
     def draft_source(self, target):
         # imported here: the drafters stay importable without the decoder
-        from ..decoding.sources import DraftLMSource
 
         return DraftLMSource(self.lm())
 
@@ -398,8 +397,6 @@ def build_distillspec(target, cfg: DistillSpecConfig, draft_vocab=None) -> Disti
 
 
 def load_distillspec(path, target) -> DistillSpecDrafter:
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     saved = json.loads((path / "config.json").read_text())
     if saved.get("family") != "distillspec":
@@ -417,17 +414,12 @@ def load_distillspec(path, target) -> DistillSpecDrafter:
 
 
 def write_model_folder(drafter_dir: Path, tmp: Path, out: Path, opts) -> None:
-    import shutil
-
     for item in drafter_dir.iterdir():
         if item.is_file() and item.name != "trained.safetensors":  # a LoRA student's resume state, not served
             shutil.copy2(item, tmp / item.name)
 
 
 def check_model_folder(out: Path, drafter_dir: Path, opts) -> None:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
     AutoConfig.from_pretrained(str(out))  # transformers (and so vLLM / SGLang) can read its config
     exported, trained = load_file(str(out / "model.safetensors")), load_file(str(drafter_dir / "model.safetensors"))
     if exported.keys() != trained.keys() or any(not torch.equal(exported[k], trained[k]) for k in trained):

@@ -36,20 +36,18 @@ from torch import nn
 
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
-from ..masks import block_causal_mask
+from ..masks import block_causal_mask, shift_left
 from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
     KVCache,
-    check_same_target,
     check_target_architecture,
     decode_mask,
-    read_drafter_folder,
-    shift_left,
 )
 from .eagle_export import EAGLE1_EXPORTERS
 from .eagle_losses import eagle1_loss
+from .folder import check_same_target, read_drafter_folder
 
 
 @dataclass

@@ -56,22 +56,20 @@ from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
 from ..losses import soft_cross_entropy
-from ..masks import block_causal_mask
+from ..masks import block_causal_mask, shift_left
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
     KVCache,
     apply_rotary,
     attend,
-    check_same_target,
     check_target_architecture,
     decode_mask,
     head_dim_of,
-    read_drafter_folder,
-    shift_left,
 )
 from .eagle_export import EAGLE3_EXPORTERS
 from .eagle_losses import draft_vocab_probs, label_in_draft_vocab, ttt_step_weights
+from .folder import check_same_target, read_drafter_folder
 
 
 @dataclass

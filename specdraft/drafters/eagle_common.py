@@ -4,7 +4,7 @@
   each unrolled step appends to; ``DraftCache``: the draft's preallocated KV cache at decode time.
 * ``attend``: softmax attention with an explicit boolean mask, the one place both use.
 * the target-architecture check, the borrowed (frozen, unsaved) target weights, the parts of
-  the ``Drafter`` contract both fill in the same way, save/load of a drafter folder, and
+  the ``Drafter`` contract both fill in the same way (saving through ``folder.write_drafter_folder``), and
   ``EagleDraftSource`` for the speculative decoder.
 
 An EAGLE drafter plugs into ``EagleDraftSource`` through ``EagleNetwork``.
@@ -12,20 +12,19 @@ An EAGLE drafter plugs into ``EagleDraftSource`` through ``EagleNetwork``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..atomic import atomic_folder
 from ..contract import Example, Proposal, TargetOutputs, TrainingContext, target_example
 from ..decoding.kv_cache import PreallocatedLayer, ragged_rows, rows_step_mask
+from ..decoding.sampling import draw_drafts
 from ..errors import SpecdraftError
+from .eagle_tree import propose_tree
+from .folder import target_config_dict, write_drafter_folder
 
 
 class EagleNetwork(Protocol):
@@ -105,11 +104,6 @@ def decode_mask(num_new: int, num_cached: int, device) -> torch.Tensor:
     query = torch.arange(num_new, device=device)[:, None] + num_cached
     key = torch.arange(num_cached + num_new, device=device)[None, :]
     return (key <= query)[None, None]
-
-
-def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
-    """x[:, n:] padded back to length T with ``fill``: position i now holds x[:, i + n]."""
-    return F.pad(x[:, n:], (0, n), value=fill)
 
 
 class KVCache:
@@ -199,50 +193,6 @@ class BorrowsTargetWeights:
         write_drafter_folder(path, config, self.state_dict())
 
 
-# -- save / load ----------------------------------------------------------------------------------
-
-
-def target_config_dict(config) -> dict:
-    """The target's full HF config as plain JSON types, so exporters need no target weights."""
-    return json.loads(config.to_json_string(use_diff=False))
-
-
-def write_drafter_folder(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """config.json + model.safetensors, written to a temporary folder and renamed into place,
-    so an interrupted save never leaves a half-written drafter behind."""
-    path = Path(path)
-    if path.exists() and any(path.iterdir()) and not (path / "config.json").is_file():
-        raise SpecdraftError(f"{path} exists and is not a saved drafter; save to a new or empty folder")
-    with atomic_folder(path) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-
-
-def read_drafter_folder(path: str | Path, family: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise SpecdraftError(f"{path} is not a saved drafter (needs config.json and model.safetensors)")
-    config = json.loads((path / "config.json").read_text())
-    if config.get("family") != family:
-        raise SpecdraftError(
-            f"{path} holds a {config.get('family')!r} drafter, not {family!r}; load it with "
-            "specdraft.drafters.load_drafter, which picks the family from config.json"
-        )
-    return config, load_file(str(path / "model.safetensors"))
-
-
-def check_same_target(saved: dict, target, path) -> None:
-    """A drafter only works with the target (dimensions, vocabulary) it was trained on; the layers it
-    reads are added to the target by ``FrozenTarget.require``, which refuses other taps."""
-    want = saved["target_config"]
-    for key, have in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        if want.get(key) is not None and want[key] != have:
-            raise SpecdraftError(
-                f"the drafter in {path} was trained for a target with {key}={want[key]}, but this target has "
-                f"{have}; load the target the drafter was trained on ({want.get('_name_or_path') or 'see config.json'})"
-            )
-
-
 # -- decoding -------------------------------------------------------------------------------------
 
 
@@ -318,8 +268,6 @@ class EagleDraftSource:
         """k chained drafts from ``hidden`` [R, 1, H], the hidden that predicts draft 1. Step i > 0 reads draft i
         with the hidden it came from into ``cache``, at ``position`` [R, 1] + i - 1; ``slot_valid`` [R, S] marks
         the cache slots each row sees (None: all of them, one sequence)."""
-        from ..decoding.sampling import draw_drafts  # lazy: keeps drafters importable alone
-
         d = self.drafter
         drafts, probs = [], []
         for step in range(k):
@@ -344,8 +292,6 @@ class EagleDraftSource:
     @torch.no_grad()
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:
         """A static tree, or an EAGLE-2 dynamic tree, drafted with tree attention (``eagle_tree``)."""
-        from .eagle_tree import propose_tree
-
         return propose_tree(self, pending, tree, params)
 
     def _read_queued(self, pending: torch.Tensor) -> torch.Tensor:

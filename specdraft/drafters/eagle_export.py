@@ -66,8 +66,8 @@ from __future__ import annotations
 import torch
 
 from ..contract import Exporter, ExportOptions
+from ..dtypes import export_dtype
 from ..errors import SpecdraftError
-from ..export import export_dtype
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema the vLLM export follows
 EMBED = "embed_tokens.weight"  # the target's token embedding, as EAGLE-3 engine exports ship it

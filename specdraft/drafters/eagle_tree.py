@@ -19,6 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from ..contract import Proposal
+from ..decoding.sampling import logits_to_probs
+from ..decoding.trees import (
+    DynamicTree,
+    ancestor_matrix,
+    check_tree_request,
+    expand_static_tree,
+    path_to,
+)
 
 
 def propose_tree(source, pending: torch.Tensor, tree, params) -> Proposal:
@@ -30,8 +38,6 @@ def propose_tree(source, pending: torch.Tensor, tree, params) -> Proposal:
 def draft_tree(source, pending: torch.Tensor, tree, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``propose_tree``'s nodes: (draft-vocabulary tokens [N], parents [N], scores [N]), a node's score being
     its cumulative log q, the sum of log q over its path (what EAGLE-2 ranks by; tests compare it with chains)."""
-    from ..decoding.trees import DynamicTree, check_tree_request
-
     check_tree_request(source, tree, pending)  # before the queued features are read: a refused call changes nothing
     reader = _TreeReader(source, pending, params)
     return _dynamic(reader, tree) if isinstance(tree, DynamicTree) else _static(reader, tree)
@@ -48,8 +54,6 @@ class _TreeReader:
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """[m, N] log-probabilities of the children of m read nodes (draft vocabulary)."""
-        from ..decoding.sampling import logits_to_probs
-
         logits = self.drafter.draft_logits(hidden)
         if self.params.is_greedy:
             return F.log_softmax(logits.float(), dim=-1)
@@ -126,8 +130,6 @@ def _static(reader: _TreeReader, tree) -> tuple[torch.Tensor, torch.Tensor, torc
     """A static tree: node i is the ranks[i]-th best child of its parent (``expand_static_tree``), the nodes of a
     depth that have children read in one step with tree attention. Returns (draft-vocabulary tokens [N],
     parents [N], scores [N])."""
-    from ..decoding.trees import ancestor_matrix, expand_static_tree, path_to
-
     device = reader.device
     slot = {}  # read node -> its tree slot in the drafter's cache (host ints: the tree's shape is fixed)
 

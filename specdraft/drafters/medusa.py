@@ -68,10 +68,18 @@ from ..contract import (
     target_example,
 )
 from ..data.vocab import DraftVocab
+from ..decoding.sampling import draw_drafts
+from ..decoding.trees import check_tree_request, expand_static_tree
+from ..dtypes import export_dtype
 from ..errors import SpecdraftError
-from ..export import export_dtype
 from ..losses import soft_cross_entropy
-from .eagle_common import read_drafter_folder, target_config_dict, write_drafter_folder
+from ..optim import make_scheduler
+from .folder import (
+    check_same_target,
+    read_drafter_folder,
+    target_config_dict,
+    write_drafter_folder,
+)
 
 
 @dataclass
@@ -330,7 +338,6 @@ class MedusaDraftSource:
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int, params, generator: torch.Generator | None) -> Proposal:
         # imported here: the drafters stay importable without the decoder
-        from ..decoding.sampling import draw_drafts
 
         d = self.drafter
         num = min(k, len(d.heads))  # K heads propose at most K drafts
@@ -351,8 +358,6 @@ class MedusaDraftSource:
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:
         """Medusa's static tree (``medusa_choices``): node i is the ranks[i]-th best token of head depth_i - 1.
         The heads read one hidden state, so a node's token depends on its depth and rank, not on its parent."""
-        from ..decoding.trees import check_tree_request, expand_static_tree
-
         check_tree_request(self, tree, pending)
         d = self.drafter
         tree = tree.limited(len(d.heads))  # one depth per head
@@ -392,15 +397,11 @@ def target_fingerprint(target) -> str | None:
     return digest.hexdigest()[:32]
 
 
-def check_same_target(saved: dict, target, path) -> None:
-    want = saved["target_config"]
-    name = want.get("_name_or_path") or "see its config.json"
-    for key, have in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        if want.get(key) != have:
-            raise SpecdraftError(
-                f"the Medusa heads in {path} were trained for a target with {key}={want.get(key)}, but this target has "
-                f"{have}; load the target they were trained on ({name})"
-            )
+def check_heads_target(saved: dict, target, path) -> None:
+    """The target's dimensions (``check_same_target``), and its weights: the heads read the target's own
+    hidden states, so heads trained on another target of the same dimensions are refused."""
+    check_same_target(saved, target, path)
+    name = saved["target_config"].get("_name_or_path") or "see its config.json"
     fingerprint = target_fingerprint(target)
     if saved.get("target_fingerprint") and fingerprint and saved["target_fingerprint"] != fingerprint:
         raise SpecdraftError(
@@ -437,7 +438,7 @@ def build_medusa(target, cfg: MedusaConfig, draft_vocab: DraftVocab | None = Non
 
 def load_medusa(path, target) -> MedusaDrafter:
     saved, tensors = read_drafter_folder(path, "medusa1")
-    check_same_target(saved, target, path)
+    check_heads_target(saved, target, path)
     cfg = MedusaConfig(**saved["config"])
     vocab = None
     if "d2t" in tensors:
@@ -451,8 +452,6 @@ def load_medusa(path, target) -> MedusaDrafter:
 def medusa_lr_schedule(optimizer, recipe, total_steps: int):
     """The recipe's schedule, with warmup = ceil(warmup_ratio x total steps) (HF Trainer's
     ``get_warmup_steps``, as the reference trains) unless ``optimizer.warmup_steps`` is set."""
-    from ..train_parts import make_scheduler
-
     ratio = recipe.drafter.warmup_ratio
     if ratio is not None and recipe.optimizer.warmup_steps == 0:
         recipe = replace(recipe, optimizer=replace(recipe.optimizer, warmup_steps=math.ceil(ratio * total_steps)))

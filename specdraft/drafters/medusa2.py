@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from ..atomic import atomic_folder
 from ..contract import (
@@ -64,15 +65,18 @@ from ..contract import (
     TrainingContext,
 )
 from ..data.vocab import DraftVocab
+from ..decoding.speculative import plain_decode
 from ..errors import SpecdraftError
 from ..lora import LORA_MODULES, check_lora_modules, check_lora_settings, with_lora
 from ..losses import forward_kl
-from .eagle_common import target_config_dict
+from ..target import FrozenTarget
+from .folder import target_config_dict
 from .medusa import (
     MEDUSA1,
     MedusaConfig,
     MedusaDrafter,
-    check_same_target,
+    check_heads_target,
+    load_medusa,
     medusa_lr_schedule,
     medusa_needs,
 )
@@ -124,8 +128,6 @@ def heads_schedule(cfg: Medusa2Config, step: int, total_steps: int) -> float:
 def medusa2_needs(cfg: Medusa2Config, target_config) -> TargetNeeds:
     """Full logits (the KL to the original), the final hidden state (the heads), trained adapters. The LoRA
     names are checked on a meta-device copy of the target: no weight loads."""
-    from transformers import AutoModelForCausalLM
-
     medusa_needs(cfg, target_config)
     with torch.device("meta"):
         check_lora_modules(cfg.lora_target_modules, AutoModelForCausalLM.from_config(target_config))
@@ -253,7 +255,7 @@ def load_medusa2(path, target) -> Medusa2Drafter:
     saved = json.loads((path / "config.json").read_text())
     if saved.get("family") != "medusa2":
         raise SpecdraftError(f"{path} holds a {saved.get('family')!r} drafter, not 'medusa2'")
-    check_same_target(saved, target, path)
+    check_heads_target(saved, target, path)
     tensors = load_file(str(path / "model.safetensors"))
     vocab = None
     if "d2t" in tensors:
@@ -281,8 +283,6 @@ def drift_report(target, drafter: Medusa2Drafter, prompts: list[torch.Tensor], m
     """How far the adapted target drifted from the original on held-out prompts: the mean KL(p_original ||
     p_adapted) along the original's greedy continuation (teacher-forced), and the greedy agreement of the
     two over ``max_new_tokens``: the share of positions that agree, and the mean common prefix."""
-    from ..decoding.speculative import plain_decode
-
     peft_model = drafter.peft_model
     kls, agree, prefix = [], [], []
     for prompt in prompts:
@@ -314,8 +314,6 @@ def drift_report(target, drafter: Medusa2Drafter, prompts: list[torch.Tensor], m
 
 
 def _adapted(drafter_dir: Path, opts: ExportOptions):
-    from ..target import FrozenTarget
-
     if not opts.verifier:
         raise SpecdraftError("the merged export folds the adapters into the target: pass --target with the "
                              "target's folder or hub id (no recipe with target.path was found)")
@@ -345,20 +343,17 @@ def _saved_dtype(config) -> torch.dtype:
 
 
 def _merged_target(folder: Path):
-    from ..target import FrozenTarget
-
     return FrozenTarget.from_pretrained(folder, dtype="float32")
 
 
 def check_merged(out: Path, drafter_dir: Path, opts: ExportOptions) -> None:
     """The merged target's logits and the heads' on it equal the adapted target's, on a fixed sequence,
     to the rounding of the export's dtype."""
-    from ..drafters import load_drafter
-
     target, drafter = _adapted(drafter_dir, opts)
     drafter.eval()
     merged = _merged_target(out)
-    heads = load_drafter(out / "medusa_heads", merged)
+    heads = load_medusa(out / "medusa_heads", merged)
+    merged.require(heads.needs)
     ids = torch.arange(1, 17, device=target.device)[None] % target.vocab_size
     adapted_out, merged_out = target(ids), merged(ids)
     # A float32 target merges exactly up to summation order; a bf16 one is rounded once more on saving.

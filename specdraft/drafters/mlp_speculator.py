@@ -48,7 +48,6 @@ and check identical head logits.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -56,10 +55,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import DynamicCache
 
-from ..atomic import atomic_folder
 from ..chain_metrics import chain_accuracy_metrics
 from ..contract import (
     Example,
@@ -73,8 +72,13 @@ from ..contract import (
     TrainingContext,
     target_example,
 )
+from ..decoding.sampling import SamplingParams, draw_drafts, logits_to_probs, sample
+from ..decoding.trees import check_tree_request, expand_static_tree
 from ..errors import SpecdraftError
 from ..losses import masked_mean
+from ..masks import shift_left
+from ..optim import make_scheduler
+from .folder import read_drafter_folder, write_drafter_folder
 
 FAMILY = "mlp_speculator"
 HF_ARCHITECTURE = "MLPSpeculatorPreTrainedModel"  # fms-extras models/hf/modeling_mlp_speculator.py; vLLM's registry key
@@ -260,11 +264,6 @@ class SpeculatorHeads(nn.Module):
         return logits
 
 
-def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """Position t now holds x[:, t + n]; the last n positions hold ``fill``."""
-    return F.pad(x[:, n:], (0, n), value=fill)
-
-
 # -- the loss (pure functions) -----------------------------------------------------------------------
 
 
@@ -343,9 +342,7 @@ def sample_continuations(target, prompts: torch.Tensor, new_tokens: int, params)
     it). Draws use torch's global RNG, which checkpoints restore: a resumed run generates the same.
     """
     # lazy: keeps the drafters importable without the decoder
-    from transformers import DynamicCache
 
-    from ..decoding.sampling import logits_to_probs, sample
 
     cache = DynamicCache(config=target.config)
     out = target(prompts, past_key_values=cache, use_cache=True, logits="last")
@@ -380,8 +377,6 @@ def stage2_batch(target, batch: dict[str, torch.Tensor], cfg: MLPSpeculatorConfi
 
     fms-fsdp stage 2: the heads read the states from the last prompt position on (the one that
     predicted the first generated token), so every input token and label is the target's own."""
-    from ..decoding.sampling import SamplingParams
-
     s = cfg.stage2
     P = s["stage2_prompt_length"]
     prompts = cut_prompts(batch, P, s["stage2_prompts_per_row"])
@@ -425,12 +420,8 @@ def two_stage_lr_factor(step: int, total_steps: int, stage2_start: int, warmup_s
 
 def make_lr_schedule(optimizer, recipe, total_steps: int):
     """With a stage 2: fms-fsdp's two-stage schedule (re-warmup at the switch); else the recipe's own."""
-    from torch.optim.lr_scheduler import LambdaLR
-
     cfg, o = recipe.drafter, recipe.optimizer
     if cfg.stage2_start_step is None:
-        from ..train_parts import make_scheduler
-
         return make_scheduler(optimizer, recipe, total_steps)
     if o.schedule != "cosine":
         raise SpecdraftError(f"optimizer.schedule is {o.schedule!r}, but an MLP speculator with a stage 2 follows "
@@ -509,7 +500,7 @@ class MLPSpeculator(nn.Module):
         }
 
     def save_pretrained(self, path: str | Path) -> None:
-        write_hf_folder(path, self.hf_config(), self.state_dict())
+        write_drafter_folder(path, self.hf_config(), self.state_dict())
 
 
 def check_final_hidden(target) -> None:
@@ -540,8 +531,6 @@ class MLPSpeculatorSource:
 
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int, params, generator: torch.Generator | None) -> Proposal:
-        from ..decoding.sampling import draw_drafts
-
         k = min(k, self.heads.n_predict)  # one token per head: a source may propose fewer than asked
         state, token, drafts, probs = self.heads.input_state(self.state), pending, [], []
         for i in range(k):
@@ -561,8 +550,6 @@ class MLPSpeculatorSource:
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:
         """A static candidate tree from the top-k of each head (fms-extras' top_k_tokens_per_head, as a tree):
         node i is the ranks[i]-th best token of head depth_i - 1 run on its parent's state and token."""
-        from ..decoding.trees import check_tree_request, expand_static_tree
-
         check_tree_request(self, tree, pending)
         tree = tree.limited(self.heads.n_predict)  # one depth per head
 
@@ -589,36 +576,6 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def write_hf_folder(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """config.json + model.safetensors, written aside and renamed into place. Every name a loader may
-    look up is written, tied ones as copies: safetensors stores no shared tensors, vLLM reads index 0
-    of a tied group and skips the rest, fms-extras' from_pretrained fills every name."""
-    path = Path(path)
-    if path.exists() and any(path.iterdir()) and not (path / "config.json").is_file():
-        raise SpecdraftError(f"{path} exists and is not a saved drafter; save to a new or empty folder")
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().cpu()
-        out[name] = tensor.clone() if tensor.data_ptr() in seen else tensor.contiguous()
-        seen.add(tensor.data_ptr())
-    with atomic_folder(path) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        # metadata format=pt: transformers' from_pretrained refuses safetensors files without it
-        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-
-
-def read_hf_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise SpecdraftError(f"{path} is not a saved MLP speculator (needs config.json and model.safetensors)")
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") != FAMILY:
-        raise SpecdraftError(f"{path} holds a {config.get('family') or config.get('model_type')!r} model, not an "
-                             "MLP speculator; load it with specdraft.drafters.load_drafter")
-    return config, load_file(str(path / "model.safetensors"))
-
-
 def config_from_hf(saved: dict) -> MLPSpeculatorConfig:
     """specdraft's settings from a folder it wrote, or from a plain fms-extras config (IBM's released ones)."""
     if "specdraft" in saved:
@@ -631,7 +588,7 @@ def config_from_hf(saved: dict) -> MLPSpeculatorConfig:
 
 
 def load_mlp_speculator(path: str | Path, target) -> MLPSpeculator:
-    saved, tensors = read_hf_folder(path)
+    saved, tensors = read_drafter_folder(path, FAMILY, family_key="model_type")
     for key, have in (("emb_dim", target.hidden_size), ("vocab_size", target.vocab_size)):
         if saved[key] != have:
             raise SpecdraftError(

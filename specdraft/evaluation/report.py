@@ -147,7 +147,7 @@ def plot_speedup_heatmap(result: dict, path: Path) -> None:
 
 def log_wandb(result: dict, run) -> None:
     """Log the table (and the config) to an open wandb run; WANDB_MODE=offline works."""
-    import wandb
+    import wandb  # optional at run time: only with --wandb (GPU images often lack it)
 
     run.log({"eval/table": wandb.Table(columns=headers(), data=table_rows(result))})
     for method, groups in result["methods"].items():
@@ -220,9 +220,9 @@ def _json_default(value):
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # optional at run time: plots only
 
     matplotlib.use("Agg")  # files only: never needs a display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional at run time: plots only
 
     return plt

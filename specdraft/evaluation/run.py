@@ -17,10 +17,18 @@ from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdraft.config import MAX_DRAFTS_PER_STEP
+from specdraft.contract import DraftSource
 from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
+from specdraft.decoding.compiled_verify import compiled_verify
 from specdraft.decoding.sampling import SamplingParams
-from specdraft.decoding.sources import DraftLMSource, PromptLookupSource, vocab_map_from_tokenizers
+from specdraft.decoding.sources import (
+    DraftLMSource,
+    PromptLookupSource,
+    vocab_map_from_tokenizers,
+)
 from specdraft.decoding.speculative import (
     DecodeOutput,
     TreeDrafting,
@@ -31,13 +39,14 @@ from specdraft.decoding.speculative import (
 )
 from specdraft.decoding.trees import NAMED_TREES, parse_tree
 from specdraft.decoding.verify import VERIFY_BACKENDS, resolve_verify_backend
-from specdraft.config import MAX_DRAFTS_PER_STEP
-from specdraft.contract import DraftSource
+from specdraft.drafters import get_family, load_drafter
+from specdraft.dtypes import resolve_dtype
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
-from specdraft.evaluation.verify_cost import forward_keys, measure_forward_costs
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
+from specdraft.evaluation.verify_cost import forward_keys, measure_forward_costs
+from specdraft.target import FrozenTarget, resolve_target_path
 from specdraft.target_fingerprint import check_target
 
 PLAIN = "plain"
@@ -186,8 +195,6 @@ def precompile(target, mode: bool | str, prompt_lengths: list[int], max_new_toke
     """``compile_target``'s graphs for every (cache size, step width, tree) these prompts will decode with, made by
     ``CompiledVerify.new_cache`` as a decode makes them, but before the clock starts (a later turn's longer
     context may still meet a new cache size)."""
-    from specdraft.decoding.compiled_verify import compiled_verify
-
     forward = compiled_verify(target, mode)
     for length in sorted(set(prompt_lengths)):
         budget = check_decode_args(target, torch.zeros(1, length, dtype=torch.long), max_new_tokens)
@@ -232,10 +239,6 @@ def family_report(name: str, target, drafter, prompts, max_new_tokens: int, out_
                   num_prompts: int | None = None, prefix_tokens: int = 128) -> dict | None:
     """The drafter family's own figures (``Family.eval_report``) on the prompts' first turns, printed and
     written to OUT/family_report.json; None for a family without any."""
-    import json
-
-    from specdraft.drafters import get_family
-
     report_fn = get_family(drafter.family).eval_report
     if report_fn is None:
         return None
@@ -376,11 +379,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specdraft.drafters import load_drafter
-    from specdraft.target import FrozenTarget, resolve_dtype, resolve_target_path
-
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_decoding_sizes(args.k, args.max_new_tokens, "-k", "--max-new-tokens")
     for flag, value in (("--num-prompts", args.num_prompts), ("--batch-size", args.batch_size),
@@ -441,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
 
     wandb_run = None
     if args.wandb:
-        import wandb
+        import wandb  # optional at run time: only with --wandb
 
         wandb_run = wandb.init(project="specdraft", job_type="eval", config=vars(args))
     result = evaluate(

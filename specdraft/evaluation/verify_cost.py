@@ -26,8 +26,15 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.contract import Proposal
+from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
 from specdraft.decoding.sampling import SamplingParams
-from specdraft.decoding.speculative import DecodeOutput
+from specdraft.decoding.speculative import (
+    DecodeOutput,
+    TreeDrafting,
+    plain_decode,
+    speculative_decode,
+)
+from specdraft.decoding.trees import StaticTree
 
 
 @dataclass
@@ -101,8 +108,6 @@ class FixedProposal:
 
 def flat_tree(nodes: int):
     """A depth-1 static tree of ``nodes`` children of the root: a tree step of width nodes + 1."""
-    from specdraft.decoding.trees import StaticTree
-
     return StaticTree(tuple((i,) for i in range(nodes)))
 
 
@@ -113,9 +118,6 @@ def step_decoder(target, prompt_ids: torch.Tensor, kind: str, width: int, batch:
     the seconds per step, drafting excluded: (wall clock - prefill - drafting) / steps, through the decoder a run
     uses (one prompt: ``speculative_decode`` / ``plain_decode``; a batch of copies: ``speculative_decode_batch``).
     Sampling costs more than greedy: every position's p, the race's noise, the exact verify."""
-    from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
-    from specdraft.decoding.speculative import TreeDrafting, plain_decode, speculative_decode
-
     if kind == "plain":
         source = None
     elif kind == "chain" or width == 1:  # a tree of no nodes is a chain of no drafts

@@ -34,7 +34,16 @@ import sys
 import time
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from specdraft.atomic import atomic_folder
 from specdraft.errors import SpecdraftError
@@ -107,9 +116,6 @@ def training_texts(files: dict[str, str], chat_fraction: float, rng: random.Rand
 
 def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
     """Byte-level BPE (GPT-2 style pre-tokenizer keeps indentation runs as tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -174,8 +180,6 @@ NOT_PRETRAINING = {"threads", "eval_prompts", "eval_new_tokens", "unlikelihood_s
 
 
 def make_model(recipe: ToyRecipe, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden_size,
@@ -408,8 +412,6 @@ def build_toy_target(
 
     `init_from` skips pretraining by loading an earlier build of the same pretraining
     (same seed, --steps and recipe); only the unlikelihood phase then runs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     recipe = recipe or ToyRecipe()
     if (steps is None) == (minutes is None):
         raise SpecdraftError("give exactly one of --steps N or --minutes M")
