@@ -28,8 +28,9 @@ PROBE_VALUES = 64
 def embedding_probe(weight: torch.Tensor) -> dict:
     """The fingerprint of a token embedding: its shape and ``PROBE_VALUES`` evenly spaced values."""
     flat = weight.detach().reshape(-1)
-    # float64: float32 positions round past the last element once it has 2^24 or more (SmolLM2's has 28M)
-    index = torch.linspace(0, flat.numel() - 1, PROBE_VALUES, dtype=torch.float64, device=flat.device).long()
+    # The positions are computed on the CPU in float32, as every probe recorded so far was, so a GPU run's probe
+    # matches a CPU load; clamped, as float32 rounds past the last element from 2^24 values (SmolLM2 has 28M).
+    index = torch.linspace(0, flat.numel() - 1, PROBE_VALUES).long().clamp_max(flat.numel() - 1)
     return {"shape": list(weight.shape), "values": flat[index].float().cpu().tolist()}
 
 
