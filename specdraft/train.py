@@ -47,7 +47,7 @@ from .drafters import get_family, load_drafter
 from .dtypes import resolve_dtype
 from .errors import SpecdraftError
 from .evaluation.report import format_table
-from .evaluation.run import evaluate as evaluate_decoding
+from .evaluation.run import evaluate
 from .evaluation.run import family_report
 from .evaluation.suites import load_suite
 from .features import check_feature_cache, open_feature_caches, with_sample_index
@@ -337,7 +337,7 @@ def run_steps(run: Run, stop: StopRequested, bar) -> bool:
                                  if k.split("/")[-1] in PROGRESS_METRICS})
                 window = LogWindow(prepare_seconds_at_start=inner.prepare_seconds)
             if tcfg.eval_every and state.step % tcfg.eval_every == 0:
-                log_metrics(run, evaluate(run))
+                log_metrics(run, heldout_loss(run))
                 run.evaluated_at = state.step
             if state.step % run.recipe.checkpoint.save_every == 0 or stop.requested:
                 save(run, "signal" if stop.requested else "periodic")
@@ -410,10 +410,10 @@ def log_metrics(run: Run, metrics: dict[str, float]) -> None:
         append_jsonl(run.run_dir / "metrics.jsonl", {"step": run.state.step, **metrics})
 
 
-# -- evaluate -------------------------------------------------------------------------------------
+# -- held-out loss ---------------------------------------------------------------------------------
 
 
-def evaluate(run: Run) -> dict[str, float]:
+def heldout_loss(run: Run) -> dict[str, float]:
     """The loss and metrics on up to ``eval_batches`` held-out micro-batches per process, averaged
     over them and then over the processes (every process calls this)."""
     run.step_module.eval()
@@ -441,7 +441,7 @@ def finish(run: Run, show_progress: bool) -> None:
     if not ckpts or ckpts[-1].name != f"step-{run.state.step:07d}":
         save(run, "final")
     if run.evaluated_at != run.state.step:
-        log_metrics(run, evaluate(run))
+        log_metrics(run, heldout_loss(run))
     with full_parameters(accelerator, run.step_module):  # ZeRO-3: every process takes part in the gather
         if accelerator.is_main_process:
             write_final_drafter(run)
@@ -496,7 +496,7 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
         sources = {recipe.drafter_family: drafter.draft_source(target)}
         if cfg.prompt_lookup_baseline:
             sources["prompt-lookup"] = PromptLookupSource()
-        results[temperature] = evaluate_decoding(
+        results[temperature] = evaluate(
             target, sources, cfg.prompts, SamplingParams(temperature=temperature), k=cfg.k,
             max_new_tokens=cfg.max_new_tokens, out_dir=out_dir / f"temperature-{temperature:g}",
             num_prompts=cfg.num_prompts, wandb_run=wandb_run, show_progress=show_progress,

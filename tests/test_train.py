@@ -241,8 +241,8 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path, m
     raw["drafter"] = {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 64}
     raw["eval"] = {"enabled": True, "prompts": str(questions), "num_prompts": 2, "k": 3,
                    "temperatures": [0.0], "max_new_tokens": 8, "verify_backend": "reference"}
-    backends, real_evaluate = [], train_module.evaluate_decoding
-    monkeypatch.setattr(train_module, "evaluate_decoding", lambda *a, **k: backends.append(k["verify_backend"]) or
+    backends, real_evaluate = [], train_module.evaluate
+    monkeypatch.setattr(train_module, "evaluate", lambda *a, **k: backends.append(k["verify_backend"]) or
                         real_evaluate(*a, **k))  # fmt: skip
     run_dir = train(parse_recipe(raw), show_progress=False)
     assert backends == ["reference"]  # eval.verify_backend reached the decoder's evaluate
@@ -326,7 +326,7 @@ def test_the_acceptance_eval_runs_on_the_main_process_alone_after_the_last_barri
             return module
 
     monkeypatch.setattr(train_module, "save", lambda run, reason: calls.append("save"))
-    monkeypatch.setattr(train_module, "evaluate", lambda run: calls.append("eval loss") or {})
+    monkeypatch.setattr(train_module, "heldout_loss", lambda run: calls.append("eval loss") or {})
     monkeypatch.setattr(train_module, "load_drafter", lambda *args: None)
     monkeypatch.setattr(train_module, "eval_target", lambda recipe, target: target)
     monkeypatch.setattr(train_module, "acceptance_eval", lambda *args: calls.append("acceptance eval"))
