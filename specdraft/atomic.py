@@ -60,3 +60,17 @@ def describe_bytes(n: int | float) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def separate_tensors(tensors: dict) -> dict:
+    """Detached, contiguous CPU tensors to write with safetensors, which stores no shared memory: a tensor that
+    shares storage with one before it (tied weights) is written as a copy, under its own name, so every name
+    a loader may look up is there (vLLM reads index 0 of a tied group and skips the rest; fms-extras'
+    from_pretrained fills every name)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu()
+        out[name] = tensor.clone() if tensor.data_ptr() in seen else tensor.contiguous()
+        seen.add(tensor.data_ptr())
+    return out

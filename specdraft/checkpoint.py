@@ -3,7 +3,8 @@
 A run folder:
   RUN/recipe.yaml                      the resolved recipe
   RUN/checkpoints/step-0000100/        one checkpoint (newest ``keep_last`` are kept)
-      drafter/                         save_pretrained: config.json + model.safetensors (+ trained.safetensors)
+      trained.safetensors              the trained module's state_dict: what a resume restores
+      drafter/                         save_pretrained: the drafter as published (config.json + weights)
       optimizer.pt, scheduler.pt       tensors and plain containers only (weights_only=True loads)
       rng-rank{r}.pt                   every process's RNG streams
       optimizer-rank{r}.pt             instead of optimizer.pt under DeepSpeed ZeRO: each process's shard
@@ -27,12 +28,13 @@ import numpy as np
 import torch
 from accelerate.utils import DistributedType
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from .atomic import describe_bytes, is_disk_full
+from .atomic import describe_bytes, is_disk_full, separate_tensors
 from .errors import SpecdraftError
 
 STATE_FILE = "trainer_state.json"
+TRAINED_FILE = "trained.safetensors"
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -172,8 +174,8 @@ def checkpoint_bytes(run_dir: Path, drafter, optimizer) -> int:
     return weights + (moments or 2 * weights)
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, scheduler, trainer_state: dict,
-                    keep_last: int) -> Path:
+def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, optimizer, scheduler,
+                    trainer_state: dict, keep_last: int) -> Path:
     """Write RUN/checkpoints/step-N atomically; every rank writes its RNG (and ZeRO shard), rank 0 the rest.
 
     A failed write (a full disk, anything else) removes the temporary folder and leaves the previous
@@ -198,6 +200,9 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, optimizer, s
         with full_parameters(accelerator, drafter):
             if accelerator.is_main_process:
                 accelerator.unwrap_model(drafter).save_pretrained(tmp / "drafter")
+                # The trained module's own tensors, whatever layout the published folder has (DistillSpec
+                # serves a LoRA student merged): a resume reads this, never the published folder.
+                save_file(separate_tensors(trained_tensors(trained)), str(tmp / TRAINED_FILE))
         if accelerator.is_main_process:
             if not zero:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -232,10 +237,7 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
         _check_world_size(accelerator, ckpt, state.get("world_size", 1))
-        # trained.safetensors where the family writes one: model.safetensors then holds a served layout
-        # (a LoRA student merged), and this file the trained module's own tensors (contract.save_pretrained)
-        trained = ckpt / "drafter" / "trained.safetensors"
-        weights = load_file(trained if trained.is_file() else ckpt / "drafter" / "model.safetensors", device="cpu")
+        weights = load_file(_trained_file(ckpt), device="cpu")
         if not zero and not (ckpt / "optimizer.pt").is_file() and _zero_shard_file(ckpt, 0).is_file():
             raise SpecdraftError(
                 f"checkpoint {ckpt} holds DeepSpeed ZeRO optimizer shards; resume it with the DeepSpeed launcher "
@@ -269,6 +271,24 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
     scheduler.load_state_dict(sched_state)
     _set_rng_state(rng)
     return state
+
+
+def trained_tensors(module) -> dict:
+    """What a resume restores: the parameters that train and the module's persistent buffers (a draft
+    vocabulary's maps). Frozen parameters (a target the adapters sit in, a student's base weights) are
+    rebuilt from the recipe, and never written to a checkpoint."""
+    frozen = {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {name: tensor for name, tensor in module.state_dict().items() if name not in frozen}
+
+
+def _trained_file(ckpt: Path) -> Path:
+    """The trained module's tensors. A checkpoint written before they were saved on their own kept them in
+    its drafter folder: in drafter/trained.safetensors where the published weights had another layout (a
+    LoRA student merged), else as drafter/model.safetensors."""
+    for file in (ckpt / TRAINED_FILE, ckpt / "drafter" / TRAINED_FILE, ckpt / "drafter" / "model.safetensors"):
+        if file.is_file():
+            return file
+    return ckpt / TRAINED_FILE  # missing: reading it reports the checkpoint as incomplete
 
 
 def _check_world_size(accelerator, ckpt: Path, saved: int) -> None:

@@ -228,8 +228,8 @@ class Drafter(Protocol):
     def trained_module(self) -> nn.Module:
         """The module the loop optimises (its parameters with requires_grad), wraps (DDP, DeepSpeed),
         checkpoints and resumes: the drafter's own weights, plus adapters inside the target where
-        the family trains them. ``save_pretrained`` writes its state_dict as model.safetensors, and a
-        resume loads that file back into it."""
+        the family trains them. A checkpoint writes its trainable tensors and buffers, and a resume loads
+        them back into it (``specdraft.checkpoint``)."""
 
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         """This drafter's training example from a data batch: usually ``target_example``; a family
@@ -248,11 +248,11 @@ class Drafter(Protocol):
         """A decoding-time view of this drafter bound to a live target."""
 
     def save_pretrained(self, path: str | Path) -> None:
-        """config.json (family, hyper-parameters, target dims) + model.safetensors (``trained_module()``'s
-        state_dict: what a resume restores and an exporter reads). A family whose model.safetensors is a
-        served layout instead (DistillSpec's LoRA student, merged) writes the trained module's tensors
-        with requires_grad to trained.safetensors, which a resume then reads (the frozen rest is rebuilt
-        from the recipe)."""
+        """The drafter as published: config.json (family, hyper-parameters, target dims) and its weights,
+        which exporters and ``load_drafter`` read, in whatever layout the family serves (DistillSpec's LoRA
+        student merged). A resume never reads this folder: a checkpoint also writes ``trained_module()``'s
+        trainable tensors and buffers itself (``specdraft.checkpoint.trained_tensors``), and the frozen
+        rest is rebuilt from the recipe."""
 
 
 @dataclass

@@ -375,8 +375,8 @@ def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[st
 def save(run: Run, reason: str) -> None:
     trainer_state = {"run": vars(run.state), "world_size": run.accelerator.num_processes, "reason": reason,
                      "recipe": run.recipe.to_dict(), "data_fingerprints": run.data_fingerprints}
-    save_checkpoint(run.accelerator, run.run_dir, run.state.step, run.step_module, run.optimizer, run.scheduler,
-                    trainer_state, run.recipe.checkpoint.keep_last)
+    save_checkpoint(run.accelerator, run.run_dir, run.state.step, run.step_module, run.drafter.trained_module(),
+                    run.optimizer, run.scheduler, trainer_state, run.recipe.checkpoint.keep_last)
     if run.replacement is not None:  # the new run has a checkpoint: the old one it replaces can go
         run.replacement.commit()
 

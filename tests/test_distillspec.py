@@ -191,8 +191,10 @@ def test_a_lora_student_trains_its_adapters_only_and_saves_merged_as_a_plain_fol
             assert (drafter.lm()(ids).logits - live).abs().max() > 1e-3  # the adapters moved the student
         merged = plain(ids).logits
     torch.testing.assert_close(merged, live, rtol=1e-5, atol=1e-5)  # W + BA folded in: float rounding only
-    assert set(load_file(tmp_path / "student" / "trained.safetensors")) == trained
     assert (tmp_path / "student" / "adapter" / "adapter_config.json").is_file()
+    adapters = load_file(tmp_path / "student" / "adapter" / "adapter_model.safetensors")  # peft's format
+    assert len(adapters) == len(trained) and all("lora_" in name for name in adapters)
+    assert not (tmp_path / "student" / "trained.safetensors").exists()  # resume state lives in checkpoints
     loaded = load_drafter(tmp_path / "student", target)
     assert loaded.config.lora_r == 4 and loaded.lm() is loaded.student  # served merged: no adapters left
     torch.testing.assert_close(loaded.student(ids).logits, merged, rtol=0, atol=0)
@@ -282,7 +284,7 @@ def runs(tmp_path_factory):
 
 
 def test_a_lora_student_resumes_exactly_after_kill_9(tmp_path_factory):
-    """The resume reads the adapters from trained.safetensors (model.safetensors holds them merged);
+    """The resume reads the adapters from the checkpoint's trained.safetensors (model.safetensors holds them merged);
     LoRA dropout and on-policy sampling draw from the restored RNG."""
     from spine import built_killed_run
 
@@ -382,5 +384,5 @@ def test_two_processes_train_the_student_of_one_process(tmp_path, launch):
     if lora:  # the adapters trained (B starts at 0), and only they did
         from safetensors.torch import load_file
 
-        adapters = load_file(tmp_path / "two" / "run" / "drafter" / "trained.safetensors")
+        adapters = load_file(tmp_path / "two" / "run" / "drafter" / "adapter" / "adapter_model.safetensors")
         assert all("lora_" in n for n in adapters) and any(w.abs().sum() > 0 for n, w in adapters.items() if "lora_B" in n)

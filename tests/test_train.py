@@ -2,6 +2,7 @@
 
 import errno
 import json
+import shutil
 from pathlib import Path
 
 import probe_family  # noqa: F401  (registers the "probe" family)
@@ -203,7 +204,7 @@ def truncate(path):
 
 
 @pytest.mark.parametrize("damage", [
-    lambda ckpt: truncate(ckpt / "drafter" / "model.safetensors"),
+    lambda ckpt: truncate(ckpt / "trained.safetensors"),  # what a resume reads: the trained module's tensors
     # without it the process would resume with the fresh RNG: not an exact resume, so refused
     lambda ckpt: (ckpt / "rng-rank0.pt").unlink(),
 ], ids=["truncated-weights", "missing-rng"])
@@ -215,6 +216,27 @@ def test_resume_without_checkpoint_and_corrupt_checkpoint(tmp_path, target_dir, 
     damage(checkpoint_dirs(tmp_path / "run")[-1])
     with pytest.raises(SpecdraftError, match="corrupt or incomplete"):
         train(recipe, resume=True, show_progress=False)
+
+
+def test_a_checkpoint_in_the_older_layout_resumes_exactly(tmp_path, target_dir, data):
+    """Checkpoints written before the trained tensors had their own file kept them as drafter/model.safetensors
+    (or drafter/trained.safetensors): a resume from one reads them there and ends where a straight run does."""
+    straight = train(parse_recipe(make_recipe(tmp_path / "straight", target_dir, data)), show_progress=False)
+    old = tmp_path / "old" / "run"
+    shutil.copytree(straight, old)
+    first, *later = checkpoint_dirs(old)
+    assert first.name == "step-0000003" and later
+    for folder in (*later, old / "drafter"):
+        shutil.rmtree(folder)
+    (first / "trained.safetensors").unlink()  # the older layout
+    published = first / "drafter" / "model.safetensors"
+    truncate(published)  # it is what the resume now reads:
+    with pytest.raises(SpecdraftError, match="corrupt or incomplete"):
+        train(parse_recipe(make_recipe(tmp_path / "old", target_dir, data)), resume=True, show_progress=False)
+    shutil.copy2(straight / "checkpoints" / first.name / "drafter" / "model.safetensors", published)
+    resumed = train(parse_recipe(make_recipe(tmp_path / "old", target_dir, data)), resume=True, show_progress=False)
+    after, before = weights(resumed), weights(straight)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_wandb_offline_and_tensorboard_trackers(tmp_path, target_dir, data, monkeypatch):

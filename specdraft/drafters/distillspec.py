@@ -36,7 +36,8 @@ The whole student trains, or, with ``lora_r`` set, peft's LoRA adapters on ``lor
 the same loop: DDP and ZeRO-2 runs on two processes end at one process's student (tested), and a resume
 after kill -9 is exact, LoRA or not. Either way the saved folder is a plain transformers model (config,
 safetensors, tokenizer): a LoRA student is saved merged (``merge_and_unload`` on a copy), with its
-adapters beside it in peft's format (``adapter/``) and in ``trained.safetensors``, which a resume reads.
+adapters beside it in peft's format (``adapter/``); a resume reads the checkpoint's own copy of the
+trained tensors, not this folder.
 
 ``load_drafter``, ``specdraft eval --drafter`` and ``--draft-model``, ``AutoModelForCausalLM`` and the
 engines all open the same folder. Its one export, ``hf``, copies and checks it, and prints vLLM's
@@ -59,7 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -357,9 +358,9 @@ class DistillSpecDrafter(nn.Module):
     def save_pretrained(self, path) -> None:
         """A plain transformers folder (config, safetensors, tokenizer) that vLLM and SGLang serve as a
         draft model, with the recipe's settings under config.json's ``distillspec`` (load_drafter reads
-        ``family``); model.safetensors is the student's state_dict, as a resume restores it. A LoRA
-        student is saved merged into a copy (the live one keeps training), plus adapter/ (peft's format)
-        and trained.safetensors (its lora tensors: what a resume restores)."""
+        ``family``); model.safetensors is the student's state_dict. A LoRA student is saved merged into a
+        copy (the live one keeps training), plus adapter/ (peft's format). A resume reads neither: the
+        checkpoint keeps the trained module's own tensors (``specdraft.checkpoint``)."""
         path = Path(path)
         if path.exists() and any(path.iterdir()) and not (path / "config.json").is_file():
             raise SpecdraftError(f"{path} exists and is not a saved drafter; save to a new or empty folder")
@@ -373,8 +374,6 @@ class DistillSpecDrafter(nn.Module):
                 self.tokenizer.save_pretrained(tmp)
             if lora:
                 self.student.save_pretrained(str(tmp / "adapter"))
-                save_file({n: p.detach().cpu().contiguous() for n, p in self.student.named_parameters()
-                           if p.requires_grad}, str(tmp / "trained.safetensors"))
 
 
 def answered_row(prompt: torch.Tensor, continuation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,7 +414,7 @@ def load_distillspec(path, target) -> DistillSpecDrafter:
 
 def write_model_folder(drafter_dir: Path, tmp: Path, out: Path, opts) -> None:
     for item in drafter_dir.iterdir():
-        if item.is_file() and item.name != "trained.safetensors":  # a LoRA student's resume state, not served
+        if item.is_file() and item.name != "trained.safetensors":  # a LoRA student's resume state (older runs)
             shutil.copy2(item, tmp / item.name)
 
 

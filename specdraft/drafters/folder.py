@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..atomic import atomic_folder
+from ..atomic import atomic_folder, separate_tensors
 from ..errors import SpecdraftError
 
 
@@ -21,17 +21,11 @@ def target_config_dict(config) -> dict:
 def write_drafter_folder(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     """config.json + model.safetensors, written to a temporary folder and renamed into place, so an
     interrupted save never leaves a half-written drafter behind. Every name is written, tied ones as
-    copies: safetensors stores no shared tensors (vLLM reads index 0 of a tied group and skips the rest,
-    fms-extras' from_pretrained fills every name)."""
+    copies (``separate_tensors``)."""
     path = Path(path)
     if path.exists() and any(path.iterdir()) and not (path / "config.json").is_file():
         raise SpecdraftError(f"{path} exists and is not a saved drafter; save to a new or empty folder")
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().cpu()
-        out[name] = tensor.clone() if tensor.data_ptr() in seen else tensor.contiguous()
-        seen.add(tensor.data_ptr())
+    out = separate_tensors(tensors)
     with atomic_folder(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # metadata format=pt: transformers' from_pretrained refuses safetensors files without it
