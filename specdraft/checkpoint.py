@@ -163,15 +163,16 @@ def _load_zero_shard(accelerator, optimizer, shard: dict) -> None:
 
 
 def checkpoint_bytes(run_dir: Path, drafter, optimizer) -> int:
-    """The space one more checkpoint needs: the newest one's size, else the trained weights and the
-    optimizer's state (AdamW: two more tensors per weight) as they are in memory."""
+    """The space one more checkpoint needs: the newest one's size, else the trained weights twice (the
+    published drafter and the resume copy) and the optimizer's state (AdamW: two more tensors per weight)
+    as they are in memory."""
     previous = checkpoint_dirs(run_dir)
     if previous:
         return sum(f.stat().st_size for f in previous[-1].rglob("*") if f.is_file())
     weights = sum(t.numel() * t.element_size() for t in drafter.state_dict().values())
     moments = sum(t.numel() * t.element_size() for state in optimizer.state.values()
                   for t in state.values() if torch.is_tensor(t))
-    return weights + (moments or 2 * weights)
+    return 2 * weights + (moments or 2 * weights)
 
 
 def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, optimizer, scheduler,
