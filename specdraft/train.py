@@ -47,8 +47,7 @@ from .drafters import get_family, load_drafter
 from .dtypes import resolve_dtype
 from .errors import SpecdraftError
 from .evaluation.report import format_table
-from .evaluation.run import evaluate
-from .evaluation.run import family_report
+from .evaluation.run import evaluate, family_report
 from .evaluation.suites import load_suite
 from .features import check_feature_cache, open_feature_caches, with_sample_index
 from .named_targets import cache_home
