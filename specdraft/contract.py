@@ -174,7 +174,7 @@ class DraftCapabilities:
             raise SpecdraftError("DraftCapabilities(ragged_rows=True) needs row_state: the attributes propose_rows "
                                  "reads and leaves as each row's own propose would")
 
-    def methods(self) -> tuple[str, ...]:
+    def promised_methods(self) -> tuple[str, ...]:
         """The methods, besides start / propose / commit, that the declaration promises the source's class gives."""
         return tuple(method for method, promised in (("propose_tree", bool(self.tree_kinds)),
                                                      ("propose_rows", self.ragged_rows)) if promised)
@@ -235,7 +235,8 @@ def check_capabilities(source) -> DraftCapabilities:
     if not isinstance(capabilities, DraftCapabilities):
         raise SpecdraftError(f"{name}.capabilities must be a specdraft.contract.DraftCapabilities, got "
                              f"{type(capabilities).__name__}")  # fmt: skip
-    missing = [method for method in capabilities.methods() if not callable(getattr(type(source), method, None))]
+    cls = type(source)
+    missing = [method for method in capabilities.promised_methods() if not callable(getattr(cls, method, None))]
     if missing:
         raise SpecdraftError(f"{name} declares {capabilities} but its class has no {' or '.join(missing)}: define "
                              "it, or leave that capability out of its declaration")

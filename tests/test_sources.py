@@ -41,9 +41,9 @@ def test_no_caller_probes_a_source_for_what_it_can_do():
     probes = []
     for path in sorted([*(root / "specdraft").rglob("*.py"), *(root / "eval").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                    and node.args[1].value in CAPABILITY_NAMES):  # fmt: skip
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in CAPABILITY_NAMES):  # fmt: skip
                 probes.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     assert not probes, "read source.capabilities instead of probing:\n" + "\n".join(probes)
 

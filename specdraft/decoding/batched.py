@@ -15,10 +15,10 @@ Each row has its own ``DraftSource``. A source that declares its per-sequence st
 (``capabilities.row_state``) drafts every row at once: Medusa heads and the MLP speculator, which read one
 hidden state, in one ``propose`` over the rows' states stacked; EAGLE and draft LMs, whose rows' KV caches
 differ in length (``capabilities.ragged_rows``), in their ``propose_rows`` (one padded, masked draft forward
-per draft step). The others (a compiled draft LM;
-prompt lookup's token history; trees) draft row by row. The target's forward and the verify
-(``specdraft.decoding.verify`` for chains, ``tree_verify`` for trees: both kernels take a ragged batch)
-are batched. At temperature 0 each row's output is what ``speculative_decode`` gives that prompt alone.
+per draft step). The others (a compiled draft LM; prompt lookup's token history; trees) draft row by row.
+The target's forward and the verify (``specdraft.decoding.verify`` for chains, ``tree_verify`` for trees:
+both kernels take a ragged batch) are batched. At temperature 0 each row's output is what
+``speculative_decode`` gives that prompt alone.
 """
 
 from __future__ import annotations
