@@ -8,7 +8,7 @@ One `evaluate(...)` per batch size over the same prompts (the toy's held-out std
 Spec-Bench's questions for a chat target when ../shared has them): plain decoding, prompt lookup and
 each --drafter, chains of K=5, greedy. Greedy output must stay identical to plain decoding at every
 batch size. Prints a Markdown table. `--row-by-row` adds, for each drafter that drafts a batch's rows
-together (its source names a ``row_state``: Medusa, the MLP speculator, EAGLE, a DistillSpec
+together (its source declares a ``row_state``: Medusa, the MLP speculator, EAGLE, a DistillSpec
 student), the same drafter drafting row by row: what batching the drafts is worth. `--tree SPEC` adds
 each drafter that can draft that tree, drafting it every step (rows verified together, each its own tree).
 "decode tokens/s" leaves the prefill out: the throughput of the decoding steps alone.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.contract import DraftCapabilities
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import load_drafter
@@ -45,12 +46,14 @@ def prompts_for(target_name: str, count: int) -> tuple[list[Prompt], str]:
 
 
 class RowByRow:
-    """A source without ``row_state``: the batched decoder drafts its rows one at a time."""
+    """A source that declares no ``row_state``: the batched decoder drafts its rows one at a time."""
+
+    capabilities = DraftCapabilities()
 
     def __init__(self, source):
         self.source = source
 
-    def fresh(self) -> RowByRow:  # each row its own copy of the source (fresh_sources)
+    def __copy__(self) -> RowByRow:  # each row its own copy of the source (fresh_sources)
         return RowByRow(copy.copy(self.source))
 
     def start(self, prompt_ids, target_out) -> None:
@@ -95,7 +98,7 @@ def main() -> None:
         sources = {"prompt lookup": PromptLookupSource(), **{n: d.draft_source(target) for n, d in drafters.items()}}
         if args.row_by_row:
             sources.update({f"{n} (drafted row by row)": RowByRow(d.draft_source(target)) for n, d in drafters.items()
-                            if getattr(d.draft_source(target), "row_state", ())})  # fmt: skip
+                            if d.draft_source(target).capabilities.row_state})  # fmt: skip
         for n, d in drafters.items():
             sources.update(tree_methods(n, d, target, args.tree))
         result = evaluate(target, sources, prompts, SamplingParams(), k=args.k, max_new_tokens=args.max_new_tokens,

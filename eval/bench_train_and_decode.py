@@ -122,7 +122,7 @@ def methods_of(drafters: dict, target, trees: list[str]) -> dict:
         sources[family] = drafter.draft_source(target)
         for spec in trees:
             tree, source = parse_tree(spec), drafter.draft_source(target)
-            if tree.kind in getattr(source, "tree_kinds", ()):
+            if tree.kind in source.capabilities.tree_kinds:
                 sources[f"{family} tree:{spec}"] = TreeDrafting(source, tree)
     sources["prompt-lookup"] = PromptLookupSource()
     return sources

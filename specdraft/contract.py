@@ -10,7 +10,8 @@ is one module of ``specdraft/drafters/`` that fills them in, and one line in its
                                                              cache read, or sequences it generates first)
     drafter.compute_loss(batch, target_out) -> LossOutput
     drafter.trained_module()                -> nn.Module     what is optimised, wrapped, checkpointed, resumed
-    drafter.draft_source(target)            -> DraftSource   start / propose / commit, for the decoder
+    drafter.draft_source(target)            -> DraftSource   start / propose / commit, for the decoder; its
+                                                             class declares the rest (DraftCapabilities)
     drafter.save_pretrained(path)                            config.json + model.safetensors
     Family.exporters[format]                -> Exporter      write / read_back / serve hint
                                                (FolderExporter: a format that is a whole folder)
@@ -119,8 +120,8 @@ class Proposal:
     token (the root), in topological order (a parent before its children), with no two siblings
     sharing a token. ``parents=None`` is the chain, node k's parent being node k-1. The decoder
     verifies a tree in one target forward with a tree attention mask (``specdraft.decoding.trees``);
-    sources draft trees through ``propose_tree(pending, tree, params, generator)`` when asked by
-    ``specdraft.decoding.speculative.TreeDrafting``.
+    sources that declare tree kinds (``DraftCapabilities.tree_kinds``) draft trees through
+    ``propose_tree(pending, tree, params, generator)`` when asked by ``specdraft.decoding.speculative.TreeDrafting``.
 
     ``probs[:, k]`` is the (warped) draft distribution that ``tokens[:, k]`` was drawn from,
     over the target vocabulary. ``None`` means the drafts are deterministic (q is one-hot on the
@@ -140,6 +141,45 @@ class Proposal:
         return bool(torch.equal(self.parents, chain))
 
 
+TREE_KINDS = ("static", "dynamic")  # specdraft.decoding.trees' StaticTree and DynamicTree (their ``kind``)
+
+
+@dataclass(frozen=True)
+class DraftCapabilities:
+    """What a ``DraftSource`` can do besides drafting one sequence's chain (``propose``), declared by its class
+    (``capabilities = DraftCapabilities(...)``) and read by the decoder. The default declares nothing: chains
+    only, a batch's rows drafted one at a time."""
+
+    # The trees the source drafts through ``propose_tree(pending [1, 1], tree, params, generator) -> Proposal``,
+    # by kind (TREE_KINDS: "static", Medusa-style StaticTree; "dynamic", EAGLE-2's DynamicTree). () : chains only.
+    tree_kinds: tuple[str, ...] = ()
+    # The attributes that hold the source's whole per-sequence state after ``start`` (tensors, dim 0 the batch).
+    # Copies of one source (one model) then draft a batch's rows together (``specdraft.decoding.batched``): in
+    # one ``propose`` on a shallow copy holding the rows' states concatenated, and each row keeps the first
+    # drafts it asked for, so a chain of k drafts must begin with the chain of k' < k. () : row by row.
+    row_state: tuple[str, ...] = ()
+    # The rows' states cannot be concatenated (a KV cache per row, of the row's length): the class's staticmethod
+    # ``propose_rows(sources, pending [R, 1], k, params, generator) -> Proposal [R, k]`` drafts for R copies of
+    # itself at once instead, leaving each as its own ``propose`` would.
+    ragged_rows: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "tree_kinds", tuple(self.tree_kinds))
+        object.__setattr__(self, "row_state", tuple(self.row_state))
+        unknown = [kind for kind in self.tree_kinds if kind not in TREE_KINDS]
+        if unknown:
+            raise SpecdraftError(f"DraftCapabilities.tree_kinds lists {', '.join(map(repr, unknown))}; the tree kinds "
+                                 f"are {', '.join(TREE_KINDS)}")
+        if self.ragged_rows and not self.row_state:
+            raise SpecdraftError("DraftCapabilities(ragged_rows=True) needs row_state: the attributes propose_rows "
+                                 "reads and leaves as each row's own propose would")
+
+    def promised_methods(self) -> tuple[str, ...]:
+        """The methods, besides start / propose / commit, that the declaration promises the source's class gives."""
+        return tuple(method for method, promised in (("propose_tree", bool(self.tree_kinds)),
+                                                     ("propose_rows", self.ragged_rows)) if promised)
+
+
 @runtime_checkable
 class DraftSource(Protocol):
     """What the speculative decoder talks to.
@@ -157,14 +197,15 @@ class DraftSource(Protocol):
     drafters declared (``TargetNeeds``) at every position; prefill's logits cover the
     last position only.
 
-    Optional: ``row_state``, a tuple of attribute names. A source whose whole per-sequence
-    state is those tensors (dim 0 the batch) is drafted for all rows of a batch in one
-    ``propose`` (``specdraft.decoding.batched``), on a shallow copy holding the rows' states
-    concatenated; its chain of k drafts must begin with its chain of k' < k. A source whose
-    row state cannot be concatenated (a KV cache per row, of the row's length) also gives a
-    staticmethod ``propose_rows(sources, pending [R, 1], k, params, generator) -> Proposal [R, k]``
-    that drafts for R copies of itself at once, leaving each as its own ``propose`` would.
+    What else a source can do, its class declares in ``capabilities`` (``DraftCapabilities``: trees,
+    rows drafted together, and the methods those take); ``DraftCapabilities()`` declares nothing
+    else. Callers read the declaration, and ``check_capabilities`` refuses one the class's methods
+    do not back. A batch's rows each decode with ``copy.copy(source)``: a shallow copy shares the
+    model, and ``start`` makes the per-sequence state (a source holding another source copies that
+    one too, in its ``__copy__``).
     """
+
+    capabilities: DraftCapabilities
 
     def start(self, prompt_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         """Reset state for a new sequence; ``target_out`` covers every prompt position."""
@@ -179,6 +220,27 @@ class DraftSource(Protocol):
 
     def commit(self, kept_ids: torch.Tensor, target_out: TargetOutputs) -> None:
         """``kept_ids`` [B, n+1] = pending + accepted drafts; ``target_out`` covers exactly those positions."""
+
+
+def check_capabilities(source) -> DraftCapabilities:
+    """``source``'s declared capabilities, once its class is checked to give the methods they promise: a source
+    that cannot do what it declares is refused before decoding, naming it, rather than failing mid-decode."""
+    name = type(source).__name__
+    if not isinstance(source, DraftSource):
+        raise SpecdraftError(
+            f"{name} is not a DraftSource: a source has start, propose and commit, and its class declares what else "
+            "it can do, `capabilities = DraftCapabilities(...)` (specdraft.contract; DraftCapabilities() for nothing)"
+        )
+    capabilities = source.capabilities
+    if not isinstance(capabilities, DraftCapabilities):
+        raise SpecdraftError(f"{name}.capabilities must be a specdraft.contract.DraftCapabilities, got "
+                             f"{type(capabilities).__name__}")  # fmt: skip
+    cls = type(source)
+    missing = [method for method in capabilities.promised_methods() if not callable(getattr(cls, method, None))]
+    if missing:
+        raise SpecdraftError(f"{name} declares {capabilities} but its class has no {' or '.join(missing)}: define "
+                             "it, or leave that capability out of its declaration")
+    return capabilities
 
 
 @dataclass

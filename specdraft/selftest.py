@@ -327,9 +327,9 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
 
     source = drafter.draft_source(target)
     methods = {"chain": source}
-    if "dynamic" in getattr(source, "tree_kinds", ()):
+    if "dynamic" in source.capabilities.tree_kinds:
         methods["EAGLE-2 tree"] = TreeDrafting(source, NAMED_TREES["eagle2-small"])
-    elif "static" in getattr(source, "tree_kinds", ()):
+    elif "static" in source.capabilities.tree_kinds:
         methods["medusa-8 tree"] = TreeDrafting(source, NAMED_TREES["medusa-8"])
     compile_modes = [False]
     skipped = []

@@ -7,10 +7,12 @@ import pytest
 import torch
 from test_speculative import VOCAB, noisy_copy, prompts, target, target_model  # noqa: F401 (fixtures)
 
+from specdraft.contract import DraftCapabilities
 from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
 from specdraft.decoding.speculative import TreeDrafting, plain_decode, speculative_decode
 from specdraft.decoding.trees import StaticTree
+from specdraft.drafters import FAMILIES
 from specdraft.errors import SpecdraftError
 from specdraft.target import FrozenTarget
 
@@ -157,7 +159,7 @@ def test_bad_batches_are_refused(target):
         speculative_decode_batch(target, None, [])
 
     class TreeLookup(PromptLookupSource):
-        tree_kinds = ("static",)
+        capabilities = DraftCapabilities(tree_kinds=("static",))
 
         def propose_tree(self, pending, tree, params, generator):
             from specdraft.contract import Proposal
@@ -456,3 +458,102 @@ def test_kv_caches_go_under_the_name_transformers_takes(target, target_model):
         for source in (DraftLMSource(target_model), DraftLMSource(target_model, compile=True)):
             speculative_decode(target, source, prompt, k=3, max_new_tokens=6)
         speculative_decode(eagle_target, eagle, prompt, k=3, max_new_tokens=6)
+
+
+# -- declared capabilities -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"probe"}))  # probe: the tests' own, registered by others
+def test_every_familys_source_declares_what_it_can_do(family):
+    """A family's draft source declares its capabilities, and they hold: each declared tree kind is drafted by its
+    ``propose_tree`` (one prompt's tree) and each other kind is refused, naming the source; ragged rows come with
+    the staticmethod ``propose_rows``, and a class with either method declares it; each ``row_state`` name is an
+    attribute after ``start`` (a [1, ...] tensor where the rows' states are concatenated), and all else the
+    source holds is the same for two sequences, so that copies of it draft a batch's rows together."""
+    import inspect
+
+    from specdraft.contract import TREE_KINDS, check_capabilities
+    from specdraft.decoding.sampling import SamplingParams
+    from specdraft.decoding.trees import DynamicTree
+
+    target, source = tiny_target_for(family)
+    capabilities, name = check_capabilities(source), type(source).__name__
+    tree_method = inspect.getattr_static(type(source), "propose_tree", None)
+    rows_method = inspect.getattr_static(type(source), "propose_rows", None)
+    assert callable(tree_method) == bool(capabilities.tree_kinds)
+    assert isinstance(rows_method, staticmethod) == (rows_method is not None) == capabilities.ragged_rows
+
+    prompt, pending = batch_prompts()[1][None], torch.tensor([[7]])
+    trees = {"static": StaticTree(((0,), (1,), (0, 0))), "dynamic": DynamicTree(total_tokens=4, depth=2, top_k=2)}
+    assert set(trees) == set(TREE_KINDS)
+    for kind, tree in trees.items():
+        if kind in capabilities.tree_kinds:
+            drafting = TreeDrafting(copy.copy(source), tree)
+            drafting.start(prompt, target(prompt, logits="last"))
+            proposal = drafting.propose(pending, tree.depth, SamplingParams(), None)
+            assert proposal.parents is not None and proposal.parents.shape == proposal.tokens.shape
+            assert proposal.tokens.shape[0] == 1 and 1 <= proposal.tokens.shape[1] <= tree.num_nodes
+        else:
+            with pytest.raises(SpecdraftError, match=f"{name} drafts"):
+                TreeDrafting(source, tree)
+
+    one, other = fresh_sources(source, 2)
+    for s, p in zip((one, other), batch_prompts()[1:3]):
+        s.start(p[None], target(p[None], logits="last"))
+    assert vars(one).keys() == vars(other).keys()
+    for attribute in capabilities.row_state:
+        assert attribute in vars(one), f"{name} declares row_state {attribute!r}, which start does not set"
+        if not capabilities.ragged_rows:  # concatenated along dim 0 for a batch's rows
+            assert isinstance(vars(one)[attribute], torch.Tensor) and vars(one)[attribute].shape[0] == 1
+    for attribute, value in vars(one).items():
+        if capabilities.row_state and attribute not in capabilities.row_state:
+            theirs = vars(other)[attribute]
+            assert value is theirs or (not isinstance(value, (torch.Tensor, torch.nn.Module)) and value == theirs), \
+                f"{name}.{attribute} differs between two sequences but is not in its row_state"
+
+
+def test_a_source_must_back_what_it_declares(target):
+    """A declaration its class does not back is refused before any decoding, with a message naming the source: a
+    tree kind without ``propose_tree``, ragged rows without ``propose_rows``, no declaration, a declaration that is
+    not a ``DraftCapabilities``; and ``DraftCapabilities`` refuses an unknown tree kind, or ragged rows of no state."""
+
+    class NoTreeMethod(PromptLookupSource):
+        capabilities = DraftCapabilities(tree_kinds=("static",))
+
+    class NoRowsMethod(PromptLookupSource):
+        capabilities = DraftCapabilities(row_state=("context",), ragged_rows=True)
+
+    class Undeclared:  # a source that says nothing of what else it can do
+        def start(self, prompt_ids, target_out): ...
+
+        def propose(self, pending, k, params, generator): ...
+
+        def commit(self, kept_ids, target_out): ...
+
+    class Misdeclared(PromptLookupSource):
+        capabilities = {"tree_kinds": ("static",)}
+
+    with pytest.raises(SpecdraftError, match="NoTreeMethod declares .* has no propose_tree"):
+        TreeDrafting(NoTreeMethod(), StaticTree.chain(2))
+    with pytest.raises(SpecdraftError, match="Undeclared is not a DraftSource.*capabilities = DraftCapabilities"):
+        TreeDrafting(Undeclared(), StaticTree.chain(2))
+    counting = CountingTarget(target)
+    for source, match in ((NoRowsMethod(), "NoRowsMethod declares .* has no propose_rows"),
+                          (Undeclared(), "Undeclared is not a DraftSource"),
+                          (Misdeclared(), "Misdeclared.capabilities must be a specdraft.contract.DraftCapabilities")):
+        with pytest.raises(SpecdraftError, match=match):
+            speculative_decode_batch(counting, fresh_sources(source, B), batch_prompts(), k=2, max_new_tokens=4)
+    assert counting.read == []  # refused before the prefill
+    with pytest.raises(SpecdraftError, match="lists 'radix'; the tree kinds are static, dynamic"):
+        DraftCapabilities(tree_kinds=("static", "radix"))
+    with pytest.raises(SpecdraftError, match="ragged_rows=True.*needs row_state"):
+        DraftCapabilities(ragged_rows=True)
+
+
+def test_a_tree_wrappers_rows_draft_with_their_own_sources():
+    """``fresh_sources`` copies a ``TreeDrafting``'s source too (its ``__copy__``): rows never share a source's
+    per-sequence state."""
+    _, heads = tiny_target_for("medusa1")
+    rows = fresh_sources(TreeDrafting(heads, StaticTree.chain(2)), 3)
+    assert len({id(row) for row in rows}) == len({id(row.source) for row in rows}) == 3
+    assert all(row.source.drafter is heads.drafter and row.tree is rows[0].tree for row in rows)

@@ -8,6 +8,7 @@ from tiny import save_tiny_target, tiny_llama, tiny_tokenizer
 
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
+from specdraft.decoding.speculative import TreeDrafting
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import run as eval_run
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
@@ -313,7 +314,7 @@ def test_cli_tree_methods(tmp_path, capsys, monkeypatch):
     # Trees in batches: two prompts decoded together, each tree as deep as the tree (medusa-8: 3), not -k.
     depths, batched = [], eval_run.speculative_decode_batch
     monkeypatch.setattr(eval_run, "speculative_decode_batch", lambda target, sources, prompts, k, **kw:
-                        depths.append((sources is not None and hasattr(sources[0], "tree"), k))
+                        depths.append((sources is not None and isinstance(sources[0], TreeDrafting), k))
                         or batched(target, sources, prompts, k=k, **kw))  # fmt: skip
     args = cli_args(["--target", str(target_dir), "--drafter", str(tmp_path / "heads"), "--tree", "medusa-8",
                      "--prompts", str(suite), "--num-prompts", "2", "--batch-size", "2", "-k", "1", "--max-new-tokens",

@@ -27,6 +27,27 @@ def test_sources_satisfy_the_protocol():
     assert isinstance(PromptLookupSource(), DraftSource)
 
 
+# What a source can do is declared (``DraftSource.capabilities``), not probed for.
+CAPABILITY_NAMES = {"tree", "depth", "fresh", "row_state", "propose_rows", "propose_tree", "tree_kinds"}
+
+
+def test_no_caller_probes_a_source_for_what_it_can_do():
+    """Callers read a source's declared ``capabilities`` (and ask ``isinstance(source, TreeDrafting)``): no
+    ``hasattr`` / ``getattr`` in the package or its benchmarks names a capability."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    probes = []
+    for path in sorted([*(root / "specdraft").rglob("*.py"), *(root / "eval").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in CAPABILITY_NAMES):  # fmt: skip
+                probes.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert not probes, "read source.capabilities instead of probing:\n" + "\n".join(probes)
+
+
 def test_draft_lm_proposes_its_own_greedy_continuation():
     model = tiny_llama(VOCAB, seed=3)
     source = DraftLMSource(model)

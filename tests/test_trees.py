@@ -14,7 +14,7 @@ from test_medusa import tiny_target as medusa_target
 from tiny import seeded_init_, tiny_llama
 from transformers import DynamicCache
 
-from specdraft.contract import Proposal
+from specdraft.contract import DraftCapabilities, Proposal
 from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
@@ -175,7 +175,7 @@ class OracleTreeSource(PromptLookupSource):
     """Random trees in which one random branch spells the target's greedy continuation (known in advance) for a
     random number of tokens: accepted paths of every length, at every place in the node order."""
 
-    tree_kinds = ("static",)
+    capabilities = DraftCapabilities(tree_kinds=("static",))
 
     def __init__(self, continuation: list[int], depth: int, seed: int):
         super().__init__()
@@ -304,7 +304,7 @@ def test_mlp_speculator_greedy_tree_decoding_is_the_targets_own():
 
 def test_a_tree_deeper_than_k_is_refused(target):
     class TooDeep(PromptLookupSource):
-        tree_kinds = ("static",)
+        capabilities = DraftCapabilities(tree_kinds=("static",))
 
         def propose_tree(self, pending, tree, params, generator):
             return Proposal(torch.tensor([[1, 2, 3]]), None, torch.tensor([[-1, 0, 1]]))
@@ -315,7 +315,7 @@ def test_a_tree_deeper_than_k_is_refused(target):
 
 def test_a_malformed_tree_from_a_source_is_refused(target):
     class Duplicates(PromptLookupSource):
-        tree_kinds = ("static",)
+        capabilities = DraftCapabilities(tree_kinds=("static",))
 
         def propose_tree(self, pending, tree, params, generator):
             return Proposal(torch.tensor([[4, 4]]), None, torch.tensor([[-1, -1]]))
@@ -343,7 +343,7 @@ class SampledChildrenSource(PromptLookupSource):
     even and on the odd tokens (disjoint supports, so siblings never repeat a token), and one grandchild under
     each from a q on every token. The q's are fixed random distributions, unrelated to p."""
 
-    tree_kinds = ("static",)
+    capabilities = DraftCapabilities(tree_kinds=("static",))
 
     def __init__(self, vocab: int, device: str = "cpu"):
         super().__init__()

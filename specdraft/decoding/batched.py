@@ -11,13 +11,14 @@ transformers' models accept from any caller (a cache, a 4-D boolean mask and pos
 across transformers' cache refactors. The prompts are read in groups of similar length (``_prefill``), so
 a batch of short and long prompts does not pad every prompt to the longest.
 
-Each row has its own ``DraftSource``. A source that names its per-sequence state (``row_state``) drafts
-every row at once: Medusa heads and the MLP speculator, which read one hidden state, in one ``propose``
-over the rows' states stacked; EAGLE and draft LMs, whose rows' KV caches differ in length, in their
-``propose_rows`` (one padded, masked draft forward per draft step). The others (a compiled draft LM;
-prompt lookup's token history; trees) draft row by row. The target's forward and the verify
-(``specdraft.decoding.verify`` for chains, ``tree_verify`` for trees: both kernels take a ragged batch)
-are batched. At temperature 0 each row's output is what ``speculative_decode`` gives that prompt alone.
+Each row has its own ``DraftSource``. A source that declares its per-sequence state
+(``capabilities.row_state``) drafts every row at once: Medusa heads and the MLP speculator, which read one
+hidden state, in one ``propose`` over the rows' states stacked; EAGLE and draft LMs, whose rows' KV caches
+differ in length (``capabilities.ragged_rows``), in their ``propose_rows`` (one padded, masked draft forward
+per draft step). The others (a compiled draft LM; prompt lookup's token history; trees) draft row by row.
+The target's forward and the verify (``specdraft.decoding.verify`` for chains, ``tree_verify`` for trees:
+both kernels take a ragged batch) are batched. At temperature 0 each row's output is what
+``speculative_decode`` gives that prompt alone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
-from specdraft.contract import Proposal, TargetOutputs
+from specdraft.contract import Proposal, TargetOutputs, check_capabilities
 from specdraft.decoding import verify as verify_lib
 from specdraft.decoding.kv_cache import PreallocatedLayer, preallocated_cache, rows_step_mask
 from specdraft.decoding.sampling import (
@@ -80,6 +81,8 @@ def speculative_decode_batch(
     if sources is not None and len(sources) != batch:
         raise SpecdraftError(f"got {len(sources)} sources for {batch} prompts: give one source per prompt "
                              "(fresh_sources(source, B) makes them)")
+    for source in sources or ():
+        check_capabilities(source)  # what the rows' drafting reads: a declaration without its methods fails here
     budgets = []
     for b, prompt in enumerate(prompts):
         try:
@@ -264,14 +267,15 @@ def _keep_slots(cache, start: int, kept: list[list[int]], width: int, device) ->
 def _propose_rows(sources: list, pending: torch.Tensor, wanted: dict[int, int], params, generator) -> dict:
     """Row b -> its proposal of at most ``wanted[b]`` drafts ([1, K_b]).
 
-    Sources naming their per-sequence state (``row_state``) that otherwise share everything (copies of one
-    source: same model) draft all rows at once: through their class's ``propose_rows`` where it has one
-    (EAGLE, draft LMs: the rows' KV caches differ in length), else in one ``propose`` on a copy holding the rows' states
-    (tensors whose dim 0 is the batch) stacked. Each row keeps the first ``wanted[b]`` drafts of its chain,
-    which are what it would draft alone. Any other sources draft row by row."""
+    Sources declaring their per-sequence state (``capabilities.row_state``) that otherwise share everything
+    (copies of one source: same model) draft all rows at once: through their class's ``propose_rows`` where they
+    declare ``ragged_rows`` (EAGLE, draft LMs: the rows' KV caches differ in length), else in one ``propose`` on a
+    copy holding the rows' states (tensors whose dim 0 is the batch) stacked. Each row keeps the first
+    ``wanted[b]`` drafts of its chain, which are what it would draft alone. Any other sources draft row by row."""
     rows = list(wanted)
     first = sources[rows[0]]
-    names = getattr(first, "row_state", ())
+    capabilities = first.capabilities
+    names = capabilities.row_state
     shared = {name: value for name, value in vars(first).items() if name not in names}
 
     def same(a, b) -> bool:  # the same object (a model, a tensor), or equal plain values (a vocabulary size)
@@ -282,7 +286,7 @@ def _propose_rows(sources: list, pending: torch.Tensor, wanted: dict[int, int], 
         or any(not same(vars(sources[b])[name], value) for name, value in shared.items()) for b in rows
     ):
         return {b: sources[b].propose(pending[b].view(1, 1), wanted[b], params, generator) for b in rows}
-    if hasattr(type(first), "propose_rows"):  # ragged row states (a KV cache per row): the source batches them
+    if capabilities.ragged_rows:  # row states of different lengths (a KV cache per row): the source batches them
         proposal = type(first).propose_rows([sources[b] for b in rows], pending[rows].view(-1, 1),
                                             max(wanted.values()), params, generator)  # fmt: skip
     else:
@@ -302,9 +306,7 @@ def _propose_rows(sources: list, pending: torch.Tensor, wanted: dict[int, int], 
 def fresh_sources(source, count: int) -> list:
     """``count`` independent copies of a DraftSource for the rows of a batch. A source's per-sequence state is
     made by ``start``, so a shallow copy shares only its (read-only) model; a source holding another source
-    (``TreeDrafting``) gives its own ``fresh()``."""
-    if hasattr(source, "fresh"):
-        return [source.fresh() for _ in range(count)]
+    (``TreeDrafting``) copies that one too, in its ``__copy__``."""
     return [copy.copy(source) for _ in range(count)]
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
-from specdraft.contract import Proposal, TargetOutputs
+from specdraft.contract import DraftCapabilities, Proposal, TargetOutputs
 from specdraft.decoding.kv_cache import (
     PreallocatedLayer,
     preallocated_cache,
@@ -39,6 +39,8 @@ class DraftLMSource:
     d_k is read together with the next pending token.
     """
 
+    # The per-sequence state. Rows' caches differ in length, so a batch drafts through ``propose_rows``.
+    capabilities = DraftCapabilities(row_state=("cache", "num_read", "num_committed", "unread"), ragged_rows=True)
     room = 256  # positions a cache holds past the prompt before it first grows
 
     def __init__(self, model: torch.nn.Module, vocab_map: torch.Tensor | None = None, compile: bool | str = False):
@@ -55,7 +57,7 @@ class DraftLMSource:
         self.compile = compile
         if compile:
             # A compiled step is specialised to one row's StaticCache: a batch's rows draft one at a time.
-            self.row_state = ()
+            self.capabilities = DraftCapabilities()
             check_static_cache()
             self._compiled_sizes = set()  # cache sizes the step is compiled for (shared by shallow copies)
             self._compiled_step = torch.compile(model.forward, mode=compile if isinstance(compile, str) else None)
@@ -81,9 +83,6 @@ class DraftLMSource:
             probs += [] if q is None else [q]
             tokens.append(next_input)
         return Proposal(torch.cat(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
-
-    # The per-sequence state. Rows' caches differ in length, so a batch drafts through ``propose_rows``.
-    row_state = ("cache", "num_read", "num_committed", "unread")
 
     @staticmethod
     @torch.no_grad()
@@ -253,6 +252,8 @@ class PromptLookupSource:
     transformers' ``prompt_lookup_num_tokens``. Drafts are deterministic: q is one-hot
     (``probs=None``). No match means no drafts, and the step is a plain target step.
     """
+
+    capabilities = DraftCapabilities()  # its token history is a host list per row: a batch drafts row by row
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

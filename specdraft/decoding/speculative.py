@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdraft.contract import DraftCapabilities
 from specdraft.decoding import verify as verify_lib
 from specdraft.decoding.compiled_verify import compiled_verify
 from specdraft.decoding.kv_cache import preallocated_cache
@@ -122,7 +123,7 @@ def speculative_decode(
     # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
     # token is drawn from p. The cache is sized for the prompt, the budget and one step's drafts (or tree).
     verifier, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget, 1 + most_drafts(source, k),
-                                    compile_target, hasattr(source, "tree"))  # fmt: skip
+                                    compile_target, isinstance(source, TreeDrafting))  # fmt: skip
     source.start(prompt_ids, out)
     pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
     tokens, steps, alphas, forwards = [pending.item()], [], [], []
@@ -211,8 +212,7 @@ def _prefill(target, prompt_ids: torch.Tensor, positions: int, width: int, compi
 
 def most_drafts(source, k: int) -> int:
     """The most tokens one step of ``source`` proposes: k, or the nodes of a ``TreeDrafting``'s tree."""
-    tree = getattr(source, "tree", None)
-    return k if tree is None else tree.num_nodes
+    return source.tree.num_nodes if isinstance(source, TreeDrafting) else k
 
 
 def check_decode_args(target, prompt_ids, max_new_tokens: int, k: int = 1, lenience: float = 1.0) -> int:
@@ -411,7 +411,10 @@ def _check_proposal(source, proposal, k: int) -> None:
 class TreeDrafting:
     """A ``DraftSource`` that drafts ``tree`` each step through ``source.propose_tree``: how the decoder and
     ``evaluate`` are asked for tree decoding. The decoder's ``k`` caps the tree's depth (the budget's end
-    shortens it); ``evaluate`` passes ``depth``. A source lists the trees it drafts in ``tree_kinds``."""
+    shortens it); ``evaluate`` passes ``depth``. A source declares the trees it drafts in
+    ``capabilities.tree_kinds``; this wrapper itself drafts row by row in a batch."""
+
+    capabilities = DraftCapabilities()
 
     def __init__(self, source, tree: StaticTree | DynamicTree):
         check_tree_kind(source, tree)  # here, so a wrong pairing fails before any decoding
@@ -421,8 +424,8 @@ class TreeDrafting:
     def depth(self) -> int:
         return self.tree.depth
 
-    def fresh(self) -> TreeDrafting:
-        """An independent copy for another row of a batch (``batched.fresh_sources``)."""
+    def __copy__(self) -> TreeDrafting:
+        """An independent copy for another row of a batch (``batched.fresh_sources``): its source copied too."""
         return TreeDrafting(copy.copy(self.source), self.tree)
 
     def start(self, prompt_ids, target_out) -> None:

@@ -25,6 +25,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from specdraft.contract import check_capabilities
 from specdraft.errors import SpecdraftError
 
 
@@ -33,7 +34,7 @@ class StaticTree:
     """A fixed tree of per-depth top-k ranks; see the module docstring."""
 
     choices: tuple[tuple[int, ...], ...]
-    kind = "static"  # what a source lists in its ``tree_kinds``
+    kind = "static"  # what a source lists in its ``capabilities.tree_kinds``
 
     def __post_init__(self):
         paths = [tuple(int(r) for r in path) for path in self.choices]
@@ -250,12 +251,13 @@ def path_to(node: int, parents: list[int]) -> list[int]:
 
 
 def check_tree_kind(source, tree) -> None:
-    """``source`` drafts trees (it lists ``tree_kinds``) of ``tree``'s kind; else an error naming what it drafts."""
-    kinds, name = getattr(source, "tree_kinds", ()), type(source).__name__
-    if not kinds or not hasattr(source, "propose_tree"):
+    """``source`` drafts trees of ``tree``'s kind (its declared ``capabilities.tree_kinds``, backed by a
+    ``propose_tree``: ``check_capabilities``); else an error naming what it drafts."""
+    kinds, name = check_capabilities(source).tree_kinds, type(source).__name__
+    if not kinds:
         raise SpecdraftError(
-            f"{name} drafts chains only (it has no propose_tree); trees are drafted by EAGLE-1/3 (static or EAGLE-2 "
-            "dynamic trees), Medusa heads and the MLP speculator (static trees)"
+            f"{name} drafts chains only (its capabilities declare no tree_kinds); trees are drafted by EAGLE-1/3 "
+            "(static or EAGLE-2 dynamic trees), Medusa heads and the MLP speculator (static trees)"
         )
     kind = getattr(tree, "kind", None)
     if kind not in kinds:
@@ -269,7 +271,8 @@ def check_tree_kind(source, tree) -> None:
 
 def check_tree_request(source, tree, pending: torch.Tensor) -> None:
     """What every ``propose_tree`` checks before it touches its state: the tree's kind, and one prompt."""
-    check_tree_kind(source, tree)
+    if getattr(tree, "kind", None) not in source.capabilities.tree_kinds:  # each step: the full check only to refuse
+        check_tree_kind(source, tree)
     if pending.shape[0] != 1:
         raise SpecdraftError(f"tree drafting takes one prompt at a time, got a batch of {pending.shape[0]}; "
                              "draft a batch as chains (propose), or decode its prompts one by one")

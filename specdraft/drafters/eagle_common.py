@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contract import Example, Proposal, TargetOutputs, TrainingContext, target_example
+from ..contract import DraftCapabilities, Example, Proposal, TargetOutputs, TrainingContext, target_example
 from ..decoding.kv_cache import PreallocatedLayer, ragged_rows, rows_step_mask
 from ..decoding.sampling import draw_drafts
 from ..errors import SpecdraftError
@@ -214,7 +214,9 @@ class EagleDraftSource:
 
     # The per-sequence state. Rows' caches and queues differ in length, so a batch drafts through
     # ``propose_rows`` (padded, masked) rather than by concatenating these.
-    row_state = ("cache", "num_committed", "queued_features", "queued_tokens")
+    capabilities = DraftCapabilities(tree_kinds=("static", "dynamic"),
+                                     row_state=("cache", "num_committed", "queued_features", "queued_tokens"),
+                                     ragged_rows=True)  # fmt: skip
     room = 256  # cache slots past the prompt before the cache first grows
 
     def __init__(self, drafter: nn.Module):
@@ -286,8 +288,6 @@ class EagleDraftSource:
             return Proposal(hidden.new_zeros(R, 0, dtype=torch.long),
                             torch.zeros(R, 0, self._target_vocab_size(), device=hidden.device))
         return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None)
-
-    tree_kinds = ("static", "dynamic")
 
     @torch.no_grad()
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:

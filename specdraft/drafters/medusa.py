@@ -56,6 +56,7 @@ from torch import nn
 
 from ..chain_metrics import chain_accuracy_metrics
 from ..contract import (
+    DraftCapabilities,
     Example,
     Exporter,
     ExportOptions,
@@ -327,7 +328,9 @@ class MedusaDraftSource:
     whose next token is the pending one (chosen by the target's own head): head k then drafts the
     token k+1 places after the pending one. ``start`` and ``commit`` only keep that hidden state."""
 
-    row_state = ("last_hidden",)  # a batch's rows draft in one propose, over their hidden states stacked
+    # A batch's rows draft in one propose, over their hidden states stacked. Static trees only: the heads never
+    # read a draft, so there is nothing for a dynamic tree to expand.
+    capabilities = DraftCapabilities(tree_kinds=("static",), row_state=("last_hidden",))
 
     def __init__(self, drafter: MedusaDrafter):
         self.drafter = drafter
@@ -351,8 +354,6 @@ class MedusaDraftSource:
             if q is not None:  # verify reads q over the target's vocabulary
                 q = q.new_zeros(*q.shape[:-1], d.target_vocab_size).index_copy_(-1, d.draft_ids, q)
         return Proposal(drafts, q)
-
-    tree_kinds = ("static",)  # the heads never read a draft, so there is nothing for a dynamic tree to expand
 
     @torch.no_grad()
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:

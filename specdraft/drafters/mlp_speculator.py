@@ -61,6 +61,7 @@ from transformers import DynamicCache
 
 from ..chain_metrics import chain_accuracy_metrics
 from ..contract import (
+    DraftCapabilities,
     Example,
     Exporter,
     ExportOptions,
@@ -520,7 +521,9 @@ class MLPSpeculatorSource:
     the pending token and head i the draft head i-1 drew. No host sync.
     """
 
-    row_state = ("state",)  # a batch's rows draft in one propose, over their states stacked
+    # A batch's rows draft in one propose, over their states stacked; fms-extras' candidates are per-head top-k,
+    # a static tree.
+    capabilities = DraftCapabilities(tree_kinds=("static",), row_state=("state",))
 
     def __init__(self, drafter: MLPSpeculator):
         self.heads = drafter.speculator
@@ -543,8 +546,6 @@ class MLPSpeculatorSource:
             B = pending.shape[0]
             return Proposal(pending.new_zeros(B, 0), torch.zeros(B, 0, self.heads.vocab_size, device=pending.device))
         return Proposal(torch.cat(drafts, dim=1), torch.stack(probs, dim=1) if probs else None)
-
-    tree_kinds = ("static",)  # fms-extras' candidates are per-head top-k, a static tree
 
     @torch.no_grad()
     def propose_tree(self, pending: torch.Tensor, tree, params, generator: torch.Generator | None) -> Proposal:

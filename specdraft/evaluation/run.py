@@ -97,7 +97,7 @@ def evaluate(
     verify_backend = resolve_verify_backend(verify_backend, device)  # a bad choice fails before any decode
 
     def drafts_per_step(source) -> int:  # a tree method drafts its tree's whole depth; k is the chains' length
-        return getattr(source, "depth", k)
+        return source.depth if isinstance(source, TreeDrafting) else k
 
     def decode(source, ids: list[int], generator_seed: int, max_new: int) -> DecodeOutput:
         prompt_ids = torch.tensor([ids], device=device)
@@ -296,7 +296,9 @@ def _instantiate(source):
         return source
     if callable(source):
         return source()
-    raise SpecdraftError(f"sources must map names to DraftSource objects or factories, got {type(source).__name__}.")
+    raise SpecdraftError(f"sources must map names to DraftSource objects or factories, got {type(source).__name__} "
+                         "(a DraftSource has start, propose and commit, and its class declares `capabilities = "
+                         "DraftCapabilities(...)`, specdraft.contract).")
 
 
 def _stop_ids(target, tokenizer) -> list[int]:
@@ -496,7 +498,7 @@ def tree_methods(name: str, drafter, target, specs: list[str]) -> dict:
     methods = {}
     for spec in specs:
         tree, source = parse_tree(spec), drafter.draft_source(target)
-        if tree.kind in getattr(source, "tree_kinds", ()):
+        if tree.kind in source.capabilities.tree_kinds:
             methods[f"{name} tree:{spec}"] = TreeDrafting(source, tree)
         else:
             print(f"[eval] {name} cannot draft a {tree.kind} tree ({spec}); it is decoded as a chain only")

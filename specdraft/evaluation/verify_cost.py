@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.contract import Proposal
+from specdraft.contract import DraftCapabilities, Proposal
 from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.speculative import (
@@ -81,7 +81,7 @@ class FixedProposal:
     of the root), and that the target will mostly reject: a step of known width, for timing. Sampling (T > 0),
     it gives the V-wide draft distributions a drafter gives (``vocab``), so the verify does a drafter's work."""
 
-    tree_kinds = ("static",)
+    capabilities = DraftCapabilities(tree_kinds=("static",))
 
     def __init__(self, drafts: int, vocab: int | None = None):
         self.drafts, self.vocab = drafts, vocab
