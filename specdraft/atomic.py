@@ -33,15 +33,21 @@ def atomic_folder(path: str | Path):
     try:
         tmp.chmod(0o777 & ~current_umask())
         yield tmp
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        move_into_place(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_into_place(folder: Path, path: Path) -> None:
+    """Rename ``folder`` to ``path``. An existing ``path`` is renamed aside first and deleted only after the
+    swap, so at every instant a complete folder is at ``path`` or beside it."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        path.rename(old)
+        folder.rename(path)
+        shutil.rmtree(old)
+    else:
+        folder.rename(path)
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from .atomic import move_into_place
 from .checkpoint import STATE_FILE, checkpoint_dirs
 from .config import flatten
 from .errors import SpecdraftError
@@ -133,12 +134,7 @@ def finish_interrupted_replacement(run_dir: Path) -> str | None:
                 raise SpecdraftError(
                     f"an earlier --overwrite of {run_dir} was interrupted: the run it replaced is in {aside}, and "
                     f"{run_dir} now holds other files. Move them, then `mv {aside} {run_dir}` to get the old run back.")
-            interrupted = run_dir.with_name(f".{run_dir.name}.interrupted-{os.getpid()}")
-            run_dir.rename(interrupted)
-            aside.rename(run_dir)
-            shutil.rmtree(interrupted)
-        else:
-            aside.rename(run_dir)
+        move_into_place(aside, run_dir)
         return (f"restored {run_dir}: an earlier --overwrite was interrupted before its new run's first checkpoint, "
                 "so the run it was replacing is back in place")
 

@@ -445,9 +445,6 @@ def selftest(device=None, quick: bool = False, out: str | Path = "selftest", fam
 
     device = pick_device(device) if not isinstance(device, torch.device) else device
     out = writable_folder(Path(out))
-    kernels_imported = "specdraft.kernels.rejection_sampler" in sys.modules
-    if device.type == "cpu" and not torch.cuda.is_available() and not kernels_imported:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels' logic, checked in Triton's interpreter
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (the resume check)
     started = time.perf_counter()
