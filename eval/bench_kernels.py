@@ -40,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -48,9 +49,22 @@ if not torch.cuda.is_available():  # before anything imports triton: interpret t
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from specdraft.decoding.sampling import draw_exponentials, draw_uniforms, sample  # noqa: E402
-from specdraft.decoding.tree_verify import verify_tree_reference, verify_tree_triton  # noqa: E402
+from specdraft.decoding import tree_verify, verify  # noqa: E402
 from specdraft.decoding.trees import StaticTree  # noqa: E402
-from specdraft.decoding.verify import verify_reference, verify_triton  # noqa: E402
+
+
+def by_keywords(fn, metadata):
+    """``fn`` (a verify taking one metadata object) called with its inputs as keywords, as this benchmark builds
+    them and vLLM's adapter takes them; keywords that are not the metadata's fields (num_splits) go to ``fn``."""
+    names = {f.name for f in fields(metadata)}
+    return lambda **kw: fn(metadata(**{k: v for k, v in kw.items() if k in names}),
+                           **{k: v for k, v in kw.items() if k not in names})  # fmt: skip
+
+
+verify_reference = by_keywords(verify.verify_reference, verify.VerifyInputs)
+verify_triton = by_keywords(verify.verify_triton, verify.VerifyInputs)
+verify_tree_reference = by_keywords(tree_verify.verify_tree_reference, tree_verify.TreeVerifyInputs)
+verify_tree_triton = by_keywords(tree_verify.verify_tree_triton, tree_verify.TreeVerifyInputs)
 
 GPU_GRID = dict(batch=[1, 8, 64, 256], vocab=[32000, 128256, 152064], k=[1, 4, 7])
 GPU_QUICK = dict(batch=[1, 64], vocab=[128256], k=[7])

@@ -30,9 +30,9 @@ import torch
 from tqdm import tqdm
 
 from specdraft.decoding.sampling import draw_exponentials, draw_uniforms, sample
-from specdraft.decoding.tree_verify import verify_tree_reference, verify_tree_triton
+from specdraft.decoding.tree_verify import TreeVerifyInputs, verify_tree_reference, verify_tree_triton
 from specdraft.decoding.trees import parse_tree
-from specdraft.decoding.verify import verify_reference, verify_triton
+from specdraft.decoding.verify import VerifyInputs, verify_reference, verify_triton
 
 FULL_GRID = dict(batch=[1, 8, 32], k=[1, 4, 8], vocab=[32000, 128256, 152064])
 QUICK_GRID = dict(batch=[1, 8], k=[1, 4], vocab=[32000])
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for (batch, k, vocab), (name, device, fn) in tqdm(list(itertools.product(shapes, runs)), desc="bench"):
         inputs = make_inputs(batch, k, vocab, args.mode, device)
-        seconds = time_call(fn, inputs, args.warmup, args.iters, cuda=device == "cuda")
+        seconds = time_call(lambda **kw: fn(VerifyInputs(**kw)), inputs, args.warmup, args.iters, cuda=device == "cuda")
         rows.append((name, device, batch, k, vocab, seconds * 1e3, bytes_read(inputs) / seconds / 1e9))
         del inputs
 
@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             list(itertools.product(tree_shapes, tree_runs)), desc="bench trees"
         ):
             inputs = make_tree_inputs(batch, tree, vocab, args.mode, device)
-            seconds = time_call(fn, inputs, args.warmup, args.iters, cuda=device == "cuda")
+            seconds = time_call(lambda check, **kw: fn(TreeVerifyInputs(**kw), check=check), inputs, args.warmup,
+                                args.iters, cuda=device == "cuda")  # fmt: skip
             nodes = inputs["node_token_ids"].numel() // batch
             gbps = bytes_read(inputs) / seconds / 1e9
             tree_rows.append((name, device, batch, tree, nodes, vocab, seconds * 1e3, gbps))

@@ -154,7 +154,7 @@ class DraftCapabilities:
     # by kind (TREE_KINDS: "static", Medusa-style StaticTree; "dynamic", EAGLE-2's DynamicTree). () : chains only.
     tree_kinds: tuple[str, ...] = ()
     # The attributes that hold the source's whole per-sequence state after ``start`` (tensors, dim 0 the batch).
-    # Copies of one source (one model) then draft a batch's rows together (``specdraft.decoding.batched``): in
+    # Copies of one source (one model) then draft a batch's rows together (``specdraft.decoding.rows``): in
     # one ``propose`` on a shallow copy holding the rows' states concatenated, and each row keeps the first
     # drafts it asked for, so a chain of k drafts must begin with the chain of k' < k. () : row by row.
     row_state: tuple[str, ...] = ()

@@ -50,7 +50,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from .config import parse_recipe  # noqa: E402
 from .contract import FolderExporter  # noqa: E402
-from .decoding.batched import fresh_sources, speculative_decode_batch  # noqa: E402
+from .decoding.rows import fresh_sources  # noqa: E402
+from .decoding.speculative import speculative_decode_batch  # noqa: E402
 from .decoding.speculative import TreeDrafting, speculative_decode  # noqa: E402
 from .decoding.tree_verify import verify_tree_reference, verify_tree_triton  # noqa: E402
 from .decoding.trees import NAMED_TREES  # noqa: E402

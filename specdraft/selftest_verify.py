@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.decoding.sampling import draw_exponentials, draw_uniforms, sample
-from specdraft.decoding.tree_verify import verify_tree_reference, verify_tree_triton
-from specdraft.decoding.verify import verify_reference, verify_triton
+from specdraft.decoding.tree_verify import TreeVerifyInputs, verify_tree_reference, verify_tree_triton
+from specdraft.decoding.verify import VerifyInputs, verify_reference, verify_triton
 
 FALSE_ALARM = 1e-4  # chance that one exactness test fails a correct sampler
 STAT_VOCAB = 8
@@ -135,15 +135,16 @@ def tree_depth(parents: torch.Tensor, cu: torch.Tensor) -> int:
 def compare(grids: list[Grid], device, tree: bool) -> tuple[int, list[str]]:
     """(rows compared, disagreements) of the Triton kernel against the reference over the grids:
     ``verify_triton`` for chains, ``verify_tree_triton`` for trees (each batch's max_depth its deepest tree)."""
-    make, reference, kernel = ((random_tree_batch, verify_tree_reference, verify_tree_triton) if tree
-                               else (random_chain_batch, verify_reference, verify_triton))
+    make, reference, kernel, metadata = (
+        (random_tree_batch, verify_tree_reference, verify_tree_triton, TreeVerifyInputs) if tree
+        else (random_chain_batch, verify_reference, verify_triton, VerifyInputs))  # fmt: skip
     rows, failures = 0, []
     for case, (vocab, batch, k, dtype, with_q, seed) in enumerate(
             (v, b, k, d, q, s) for grid in grids for v in grid.vocabs for b in grid.batches for k in grid.max_drafts
             for d in grid.dtypes for q in (True, False) for s in range(grid.seeds)):
         inputs = make(1000 * case + seed, batch, vocab, k, dtype, with_q, device)
         size = {"max_depth": tree_depth(inputs[1].cpu(), inputs[2].cpu())} if tree else {"max_spec_len": k}
-        ref, out = reference(*inputs, **size), kernel(*inputs, **size)
+        ref, out = reference(metadata(*inputs, **size)), kernel(metadata(*inputs, **size))
         rows += batch
         if not all(torch.equal(a, b) for a, b in zip(out, ref)):
             failures.append(f"V={vocab} batch={batch} {'nodes' if tree else 'K'}<={k} {str(dtype)[6:]} q={with_q}")
@@ -187,7 +188,7 @@ def chain_exactness(verify_fn, device, steps: int = STAT_STEPS) -> dict[str, flo
         inputs = (drafts, torch.arange(1, steps + 1) * 2, q, torch.stack([p1, p2]).repeat(steps, 1),
                   sample(p3.expand(steps, STAT_VOCAB), g), draw_uniforms(2 * steps, g),
                   draw_exponentials(steps, STAT_VOCAB, g), torch.zeros(steps, dtype=torch.bool))
-        out, accepted = verify_fn(*(None if x is None else x.to(device) for x in inputs), max_spec_len=2)
+        out, accepted = verify_fn(VerifyInputs(*(None if x is None else x.to(device) for x in inputs), max_spec_len=2))
         out, accepted = out.cpu(), accepted.cpu()
         p_values[f"chain, {name}: 1st token ~ p"] = chi_square_p_value(out[:, 0], p1)
         p_values[f"chain, {name}: 2nd token ~ p"] = chi_square_p_value(out[accepted >= 1, 1], p2)
@@ -210,5 +211,6 @@ def tree_exactness(verify_tree_fn, device, steps: int = STAT_STEPS) -> dict[str,
     inputs = (children.reshape(-1), torch.tensor([-1, -1, -1]).repeat(steps), torch.arange(1, steps + 1) * 3,
               draft_probs, target, draw_uniforms(3 * steps, g), draw_exponentials(steps, STAT_VOCAB, g),
               torch.zeros(steps, dtype=torch.bool))
-    out, _, _ = verify_tree_fn(*(x.to(device) for x in inputs), max_depth=1, check=False)  # valid by construction
+    out, _, _ = verify_tree_fn(TreeVerifyInputs(*(x.to(device) for x in inputs), max_depth=1),
+                               check=False)  # valid by construction
     return {"tree, 3 sampled siblings: 1st token ~ p": chi_square_p_value(out[:, 0].cpu(), p_root)}

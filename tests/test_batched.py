@@ -8,9 +8,10 @@ import torch
 from test_speculative import VOCAB, noisy_copy, prompts, target, target_model  # noqa: F401 (fixtures)
 
 from specdraft.contract import DraftCapabilities
-from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
+from specdraft.decoding.rows import fresh_sources
+from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import DraftLMSource, PromptLookupSource
-from specdraft.decoding.speculative import TreeDrafting, plain_decode, speculative_decode
+from specdraft.decoding.speculative import TreeDrafting, plain_decode, speculative_decode, speculative_decode_batch
 from specdraft.decoding.trees import StaticTree
 from specdraft.drafters import FAMILIES
 from specdraft.errors import SpecdraftError
@@ -64,6 +65,50 @@ def test_each_row_is_its_prompt_decoded_alone(target, target_model, name):
     if name == "noisy":  # rows accepted different numbers of drafts in the same step
         per_step = list(zip(*[[s.num_accepted for s in out.steps] for out in outs]))
         assert any(len(set(step)) > 1 for step in per_step)
+
+
+def test_each_rows_predicted_alpha_is_what_it_predicts_alone(target, target_model):
+    """alpha predicted (sum_x min(p, q) at each tested position) is kept per row in a batch, from the flat verify
+    layout: each row's steps report what the prompt's decode alone reports, greedy and sampled (where a row's
+    draws differ from its decode alone, its alpha is still one value per tested position, in [0, 1])."""
+    batch = batch_prompts()
+    make = lambda: DraftLMSource(noisy_copy(target_model, 0.2, seed=1))  # noqa: E731
+    lookup = lambda: PromptLookupSource(max_ngram=3, min_ngram=1)  # noqa: E731 (rows draft 0 to k: ragged)
+    for maker in (make, lookup):
+        outs = speculative_decode_batch(target, fresh_sources(maker(), B), batch, k=4, max_new_tokens=MAX_NEW)
+        for prompt, out in zip(batch, outs):
+            single = speculative_decode(target, maker(), prompt[None], k=4, max_new_tokens=MAX_NEW)
+            assert [s.alpha_predicted for s in out.steps] == [s.alpha_predicted for s in single.steps]
+        assert any(0.0 in s.alpha_predicted for out in outs for s in out.steps)  # rejections were tested
+    sampled = speculative_decode_batch(target, fresh_sources(make(), B), batch, k=4, max_new_tokens=MAX_NEW,
+                                       params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(0))
+    for out in sampled:
+        for s in out.steps:
+            assert len(s.alpha_predicted) == min(s.num_accepted + 1, s.num_drafted)
+            assert all(0.0 <= a <= 1.0 + 1e-6 for a in s.alpha_predicted)
+
+
+def test_typical_acceptance_verifies_each_row_as_alone():
+    """Batched typical acceptance (LOSSY): each row keeps its leading typical drafts, never past its own count, and
+    draws its next token from p after them with its own noise row: what Medusa's rule gives the row alone."""
+    from specdraft.decoding.sampling import sample_with_exponentials
+    from specdraft.decoding.speculative import _typical_verify
+    from specdraft.decoding.verify import typical_acceptance
+
+    g = torch.Generator().manual_seed(3)
+    counts, width, vocab = [2, 0, 3], 4, 6
+    p = torch.rand(3, width, vocab, generator=g).pow(4).softmax(-1)
+    p[0, 0, 1], p[0, 1, 0], p[1, :3, 1], p[2, :3, 2] = 40.0, 40.0, 40.0, 40.0  # mostly on one token each
+    p = p / p.sum(-1, keepdim=True)  # row 0: draft 1 typical, draft 5 not; row 1's padding typical; row 2 all
+    drafts = torch.tensor([[1, 5, 0], [1, 1, 1], [2, 2, 2]])  # row 1 has no drafts: its typical ids are padding
+    noise = torch.empty(3, vocab).exponential_(generator=g)
+    emitted, n = _typical_verify(drafts, p, counts, noise)
+    for r, count in enumerate(counts):
+        alone = int(typical_acceptance(drafts[r, :count], p[r, :count])) if count else 0
+        assert int(n[r]) == alone <= count
+        assert emitted[r, :alone].tolist() == drafts[r, :alone].tolist()
+        assert int(emitted[r, alone]) == int(sample_with_exponentials(p[r, alone], noise[r]))
+    assert n.tolist() == [1, 0, 3]  # row 1 is clamped to its 0 drafts although its padding looks typical
 
 
 def test_rows_stop_at_their_own_stop_token_and_budget(target, target_model):
@@ -284,7 +329,7 @@ def test_heads_draft_every_row_in_one_propose(family, monkeypatch):
     propose a step, and each row gets what its own source drafts alone: the same greedy drafts, the same q
     at T = 1 for every draft whose predecessors match (rows asking for fewer drafts get the start of
     their chain). Copies of different drafters are never stacked."""
-    from specdraft.decoding.batched import _propose_rows
+    from specdraft.decoding.rows import propose_rows as _propose_rows
     from specdraft.decoding.sampling import SamplingParams
 
     target, source = tiny_target_for(family)
@@ -328,7 +373,7 @@ def test_rows_with_kv_caches_draft_together_as_each_would_alone(kind, monkeypatc
 
     from tiny import tiny_llama
 
-    from specdraft.decoding.batched import _propose_rows
+    from specdraft.decoding.rows import propose_rows as _propose_rows
     from specdraft.decoding.sampling import SamplingParams
 
     if kind == "draft_lm":

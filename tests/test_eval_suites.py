@@ -281,8 +281,14 @@ def test_evaluate_in_batches_matches_one_at_a_time(tmp_path, tiny_target):
         assert a["num_tokens"] == b["num_tokens"] and a["acceptance_length"] == b["acceptance_length"]
         assert b["total_tokens_per_second"] > b["tokens_per_second"]  # rows share each batch's clock
         assert a["total_tokens_per_second"] == pytest.approx(a["tokens_per_second"])
-    with pytest.raises(SpecdraftError, match="batches verify exactly"):
-        eval_run.evaluate(tiny_target, {}, suite, batch_size=2, lenience=0.5, show_progress=False)
+    # One decoder: batches take the lossy modes too (greedy, they keep exactly the greedy tokens).
+    lossy = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft)}, suite, k=3, max_new_tokens=10,
+                              show_progress=False, batch_size=3, lenience=0.5, typical_acceptance=True)  # fmt: skip
+    a, b = one["methods"]["same"]["overall"], lossy["methods"]["same"]["overall"]
+    assert lossy["config"]["lossy"] and (a["num_tokens"], a["acceptance_length"]) == (b["num_tokens"],
+                                                                                      b["acceptance_length"])
+    with pytest.raises(SpecdraftError, match="batch_size must be >= 1"):
+        eval_run.evaluate(tiny_target, {}, suite, batch_size=0, show_progress=False)
 
 
 def test_a_runs_drafter_goes_by_the_runs_name(tmp_path):

@@ -391,7 +391,7 @@ def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
     # Trees: nodes [a, b, c, d] with parents [-1, -1, 1, 2] (two branches: a; b-c-d), verified at positions
     # length + depth under the tree mask; the path b-c is kept (not a prefix: its keys move), then b alone.
     from specdraft.decoding.kv_cache import preallocated_cache
-    from specdraft.decoding.speculative import keep_cache_path
+    from specdraft.decoding.kv_cache import keep_slots
     from specdraft.decoding.trees import ancestor_matrix, tree_attention_mask
 
     tree_cache, eager_cache = verifier.new_cache(32, 5, tree=True), preallocated_cache(target.config, 32)
@@ -409,7 +409,7 @@ def test_the_compiled_verify_gives_the_eager_targets_outputs(target):
         for field in ("logits", "final_hidden", "aux_hidden"):
             torch.testing.assert_close(getattr(ours, field), getattr(theirs, field), rtol=0, atol=1e-5)
         for cache_of in (tree_cache, eager_cache):
-            keep_cache_path(cache_of, past, path)
+            keep_slots(cache_of, past, [[0] + [node + 1 for node in path]], step.shape[1])
         assert tree_cache.length == eager_cache.get_seq_length() == past + 1 + len(path)
     with pytest.raises(SpecdraftError, match="made for chains or for trees"):
         verifier(first, past_key_values=tree_cache)

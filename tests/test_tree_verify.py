@@ -8,8 +8,8 @@ from test_verify_statistics import assert_all_pass, l1, l1_check
 
 from specdraft.decoding import tree_verify
 from specdraft.decoding.sampling import draw_exponentials, draw_uniforms, sample, sample_with_exponentials
-from specdraft.decoding.tree_verify import verify_tree, verify_tree_reference
-from specdraft.decoding.verify import verify_reference
+from specdraft.decoding.tree_verify import TreeVerifyInputs, verify_tree, verify_tree_reference
+from specdraft.decoding.verify import VerifyInputs, verify_reference
 from specdraft.errors import SpecdraftError
 
 verify_tree_triton = on_kernel_device(tree_verify.verify_tree_triton)
@@ -19,11 +19,11 @@ IMPLS = {"reference": verify_tree_reference, "triton": verify_tree_triton}
 def run(impl, tokens, parents, counts, q, p, uniforms, exps, greedy, max_depth, **kwargs):
     """Call one implementation with plain Python lists for the small hand-worked cases."""
     t = torch.tensor
-    return IMPLS[impl](
+    return IMPLS[impl](TreeVerifyInputs(
         t(tokens, dtype=torch.long), t(parents, dtype=torch.long), t(counts, dtype=torch.long).cumsum(0),
         None if q is None else t(q, dtype=torch.float32), t(p, dtype=torch.float32),
         t(uniforms, dtype=torch.float32), t(exps, dtype=torch.float32), t(greedy, dtype=torch.bool),
-        max_depth, **kwargs,
+        max_depth), **kwargs,
     )
 
 
@@ -118,39 +118,40 @@ def test_rows_without_nodes_and_an_empty_batch(impl):
     p = [[0.2, 0.8], [0.9, 0.1], [0.3, 0.7], [0.6, 0.4]]
     result = run(impl, [0], [-1], [0, 1, 0], None, p, [0.5], [[1.0, 1.0]] * 3, [False, True, True], 2)
     check(result, [[1, -1, -1], [0, 1, -1], [0, -1, -1]], [[-1, -1], [0, -1], [-1, -1]], [0, 1, 0])
-    empty = IMPLS[impl](
+    empty = IMPLS[impl](TreeVerifyInputs(
         torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None,
         torch.zeros(0, 4), torch.zeros(0), torch.ones(0, 4), torch.zeros(0, dtype=torch.bool), 2,
-    )
+    ))
     assert [tuple(t.shape) for t in empty] == [(0, 3), (0, 2), (0,)]
 
 
 def test_verify_tree_dispatches_to_reference_on_cpu():
     inputs = make_inputs(seed=1, trees=[[-1, 0, -1], [-1]], vocab=20, greedy=[False, True], with_draft_probs=True)
-    out = verify_tree(*inputs, max_depth=2)
-    ref = verify_tree_reference(*inputs, max_depth=2)
+    out = verify_tree(TreeVerifyInputs(*inputs, max_depth=2))
+    ref = verify_tree_reference(TreeVerifyInputs(*inputs, max_depth=2))
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 def test_triton_on_cpu_without_the_interpreter_names_the_fix(monkeypatch):
     inputs = make_inputs(seed=1, trees=[[-1]], vocab=8, greedy=[False], with_draft_probs=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for call in (lambda: tree_verify.verify_tree_triton(*inputs, max_depth=1),
-                 lambda: verify_tree(*inputs, max_depth=1, backend="triton")):
+    for call in (lambda: tree_verify.verify_tree_triton(TreeVerifyInputs(*inputs, max_depth=1)),
+                 lambda: verify_tree(TreeVerifyInputs(*inputs, max_depth=1), backend="triton")):
         with pytest.raises(SpecdraftError, match="TRITON_INTERPRET=1.*verify_tree_reference"):
             call()
-    assert all(torch.equal(a, b) for a, b in zip(verify_tree(*inputs, max_depth=1, backend="reference"),
-                                                 verify_tree_reference(*inputs, max_depth=1)))
+    metadata = TreeVerifyInputs(*inputs, max_depth=1)
+    assert all(torch.equal(a, b) for a, b in zip(verify_tree(metadata, backend="reference"),
+                                                 verify_tree_reference(metadata)))
 
 
 @pytest.mark.parametrize("block_v", [64, 3, 8192, None])
 def test_block_v_outside_the_race_free_range_names_the_range(block_v):
     inputs = make_inputs(seed=1, trees=[[-1, 0]], vocab=300, greedy=[False], with_draft_probs=True)
     if block_v is None:  # the default is in range
-        assert verify_tree_triton(*inputs, max_depth=2)[2].shape == (1,)
+        assert verify_tree_triton(TreeVerifyInputs(*inputs, max_depth=2))[2].shape == (1,)
         return
     with pytest.raises(SpecdraftError, match=r"block_v must be a power of two in \[128, 4096\]"):
-        verify_tree_triton(*inputs, max_depth=2, block_v=block_v)
+        verify_tree_triton(TreeVerifyInputs(*inputs, max_depth=2), block_v=block_v)
 
 
 # ---------------------------------------------------------------- random trees, kernel == reference
@@ -233,10 +234,10 @@ def test_kernel_matches_reference_on_random_trees(with_draft_probs):
         dtype = torch.bfloat16 if seed % 10 == 5 else torch.float32  # half-precision probs: same tokens
         inputs = make_inputs(seed, trees, vocab, greedy, with_draft_probs, dtype=dtype)
         max_depth = max(depth_of(t) for t in trees) + seed % 2  # sometimes a slot of pure padding
-        ref = verify_tree_reference(*inputs, max_depth=max_depth)
+        ref = verify_tree_reference(TreeVerifyInputs(*inputs, max_depth=max_depth))
         num_splits = [1, 2, 3][seed // 2 % 3]
-        out = verify_tree_triton(*inputs, max_depth=max_depth, block_v=256 if num_splits == 1 else 128,
-                                 num_splits=num_splits)  # fmt: skip
+        out = verify_tree_triton(TreeVerifyInputs(*inputs, max_depth=max_depth),
+                                 block_v=256 if num_splits == 1 else 128, num_splits=num_splits)  # fmt: skip
         for name, a, b in zip(("tokens", "accepted_nodes", "num_accepted"), out, ref):
             assert torch.equal(a, b), (seed, name, a, b)
         n = ref[2]
@@ -263,8 +264,9 @@ def test_winners_on_either_side_of_a_split_boundary(greedy):
         args = (torch.tensor([child]), torch.tensor([-1]), torch.tensor([1]), None, p, torch.tensor([0.99]), exps,
                 torch.tensor([greedy]))
         expected = [[winner, -1]]
-        assert verify_tree_reference(*args, max_depth=1)[0].tolist() == expected
-        assert verify_tree_triton(*args, max_depth=1, block_v=128, num_splits=3)[0].tolist() == expected, winner
+        assert verify_tree_reference(TreeVerifyInputs(*args, max_depth=1))[0].tolist() == expected
+        out = verify_tree_triton(TreeVerifyInputs(*args, max_depth=1), block_v=128, num_splits=3)
+        assert out[0].tolist() == expected, winner
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -278,8 +280,8 @@ def test_a_duplicate_sibling_of_a_rejected_one_is_rejected_too(num_splits):
     exps = torch.ones(1, vocab)
     exps[0, 299] = 1e-3  # the race's winner lies in the last split
     args = (tokens, parents, torch.tensor([3]), None, p, torch.tensor([0.99, 0.0, 0.99]), exps, torch.tensor([False]))
-    ref = verify_tree_reference(*args, max_depth=1, check=False)
-    out = verify_tree_triton(*args, max_depth=1, check=False, block_v=128, num_splits=num_splits)
+    ref = verify_tree_reference(TreeVerifyInputs(*args, max_depth=1), check=False)
+    out = verify_tree_triton(TreeVerifyInputs(*args, max_depth=1), check=False, block_v=128, num_splits=num_splits)
     assert ref[2].tolist() == [0] and ref[0].tolist() == [[299, -1]]  # u = 0 yet rejected: r(5) = 0
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
@@ -292,8 +294,8 @@ def test_kernel_matches_reference_when_unchecked_trees_are_cut_at_max_depth():
     p = p.clone()
     p[torch.arange(5), tokens[:5]] = 5.0
     inputs = (tokens, parents, cu, q, p, *inputs[5:])
-    ref = verify_tree_reference(*inputs, max_depth=2, check=False)
-    out = verify_tree_triton(*inputs, max_depth=2, check=False, block_v=128)
+    ref = verify_tree_reference(TreeVerifyInputs(*inputs, max_depth=2), check=False)
+    out = verify_tree_triton(TreeVerifyInputs(*inputs, max_depth=2), check=False, block_v=128)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
     assert ref[2][0] == 2 and ref[1][0].tolist() == [0, 1]
 
@@ -325,8 +327,9 @@ def test_chain_tree_emits_what_the_chain_verify_emits(impl, mode, with_draft_pro
         p_last = p[last_rows]
         bonus = torch.where(greedy_t, p_last.argmax(-1), sample_with_exponentials(p_last, exps))
         max_depth = int(counts.max())
-        chain_out, chain_n = verify_reference(tokens, cu, q, p[keep], bonus, uniforms, exps, greedy_t, max_depth)
-        out, nodes, n = IMPLS[impl](tokens, parents, cu, q, p, uniforms, exps, greedy_t, max_depth)
+        chain_out, chain_n = verify_reference(VerifyInputs(tokens, cu, q, p[keep], bonus, uniforms, exps, greedy_t,
+                                                           max_depth))  # fmt: skip
+        out, nodes, n = IMPLS[impl](TreeVerifyInputs(tokens, parents, cu, q, p, uniforms, exps, greedy_t, max_depth))
         assert torch.equal(out, chain_out) and torch.equal(n, chain_n), (seed, out, chain_out)
         for row, k in enumerate(n.tolist()):
             assert nodes[row].tolist() == list(range(k)) + [-1] * (max_depth - k)
@@ -391,7 +394,7 @@ def draft_trees(target, kind, g, shapes=STAT_SHAPES, trials=STAT_TRIALS_PER_SHAP
 def emitted_checks(name, target, inputs):
     """The first emitted token follows p0; the second, given an accepted first token x, follows p after x."""
     p0, _, after, _ = target
-    out, _, n = verify_tree_reference(*inputs, max_depth=3, check=False)
+    out, _, n = verify_tree_reference(TreeVerifyInputs(*inputs, max_depth=3), check=False)
     checks = [l1_check(f"{name}: first token vs p0", out[:, 0], p0)]
     for x in range(STAT_VOCAB):
         rows = (n >= 1) & (out[:, 0] == x)
@@ -414,7 +417,8 @@ def test_emitted_tokens_follow_the_target(kind):
     bound = checks[0].bound
     assert l1(p0, q0) > 2 * bound
     # ...a verifier that accepts every first child (u = 0) emits the draft's picks, not p0...
-    always = verify_tree_reference(*inputs[:5], torch.zeros_like(inputs[5]), *inputs[6:], max_depth=3, check=False)[0]
+    always = verify_tree_reference(TreeVerifyInputs(*inputs[:5], torch.zeros_like(inputs[5]), *inputs[6:], max_depth=3),
+                                   check=False)[0]  # fmt: skip
     assert l1_check("", always[:, 0], p0).statistic > 2 * bound
     # ...one that tests every sibling against p instead of the residual re-emits rejected tokens...
     no_residual = lambda original: lambda residual, mass, *args: (residual, mass)  # noqa: E731
@@ -431,7 +435,7 @@ def first_token_l1_with(mutate, inputs, p0):
     original = tree_verify._residual_after_rejection
     try:
         tree_verify._residual_after_rejection = mutate(original)
-        out = verify_tree_reference(*inputs, max_depth=3, check=False)[0]
+        out = verify_tree_reference(TreeVerifyInputs(*inputs, max_depth=3), check=False)[0]
     finally:
         tree_verify._residual_after_rejection = original
     return l1_check("", out[:, 0], p0).statistic
@@ -445,8 +449,8 @@ def test_kernel_agrees_with_the_reference_on_the_statistical_trees():
         g = torch.Generator().manual_seed(21)
         inputs = draft_trees(markov_target(g), kind, g, trials=16)
         inputs = (*inputs[:-1], torch.arange(len(inputs[-1])) % 7 == 3)  # and a few greedy rows
-        ref = verify_tree_reference(*inputs, max_depth=3)
-        out = verify_tree_triton(*inputs, max_depth=3)
+        ref = verify_tree_reference(TreeVerifyInputs(*inputs, max_depth=3))
+        out = verify_tree_triton(TreeVerifyInputs(*inputs, max_depth=3))
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
         assert int((ref[2] == 0).sum()) > 0 and int((ref[2] >= 2).sum()) > 0
 
@@ -485,5 +489,5 @@ def test_bad_inputs_raise_clear_errors():
     for impl in IMPLS.values():
         for change, message in bad_cases:
             with pytest.raises(SpecdraftError, match=message):
-                impl(**{**ok, **change})
-    assert verify_tree_reference(**ok)[0].shape == (2, 3)  # the unchanged inputs are fine
+                impl(TreeVerifyInputs(**{**ok, **change}))
+    assert verify_tree_reference(TreeVerifyInputs(**ok))[0].shape == (2, 3)  # the unchanged inputs are fine

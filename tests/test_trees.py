@@ -18,7 +18,8 @@ from specdraft.contract import DraftCapabilities, Proposal
 from specdraft.decoding.kv_cache import preallocated_cache
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
-from specdraft.decoding.speculative import TreeDrafting, keep_cache_path, plain_decode, speculative_decode
+from specdraft.decoding.kv_cache import keep_slots
+from specdraft.decoding.speculative import TreeDrafting, plain_decode, speculative_decode
 from specdraft.decoding.trees import (
     MEDUSA_63,
     NAMED_TREES,
@@ -146,7 +147,8 @@ def test_tree_attention_gives_each_node_its_own_paths_logits(target):
 
 @pytest.mark.parametrize("kind", ["dynamic", "preallocated"])
 def test_the_cache_keeps_exactly_the_accepted_path(target, kind):
-    """After keep_cache_path, the next token's logits equal those of a fresh forward over the kept text,
+    """After keep_slots keeps the pending token and a path, the next token's logits equal those of a fresh forward
+    over the kept text,
     for paths that are and are not a prefix of the node order, on transformers' cache and on specdraft's
     preallocated one (sized too small, so it also grows on the way)."""
     prompt, pending = random_ids(1, 8, seed=4) % VOCAB, torch.tensor([[5]])
@@ -160,7 +162,7 @@ def test_the_cache_keeps_exactly_the_accepted_path(target, kind):
         positions = prompt.shape[1] + torch.cat([torch.zeros(1, dtype=torch.long), ancestors.sum(1)])
         target(torch.cat([pending, tokens[None]], 1), attention_mask=tree_attention_mask(ancestors, prompt.shape[1]),
                position_ids=positions[None], past_key_values=cache, use_cache=True, logits="none")  # fmt: skip
-        keep_cache_path(cache, prompt.shape[1], path)
+        keep_slots(cache, prompt.shape[1], [[0] + [node + 1 for node in path]], 1 + len(tokens))
         assert cache.get_seq_length() == prompt.shape[1] + 1 + len(path)
         nxt = torch.tensor([[3]])
         cached = target(nxt, past_key_values=cache, use_cache=True).logits[0, -1]

@@ -10,6 +10,7 @@ from kernel_device import on_kernel_device
 
 from specdraft.decoding import verify as verify_module
 from specdraft.decoding.verify import (
+    VerifyInputs,
     expected_acceptance_rate,
     expected_tokens_per_step,
     resolve_verify_backend,
@@ -26,7 +27,7 @@ IMPLS = {"reference": verify_reference, "triton": verify_triton}
 def run(impl, drafts, counts, q, p, bonus, uniforms, exps, greedy, max_spec_len, lenience=1.0):
     """Call one implementation with plain Python lists for the small hand-worked cases."""
     t = torch.tensor
-    return IMPLS[impl](
+    return IMPLS[impl](VerifyInputs(
         t(drafts, dtype=torch.long),
         t(counts, dtype=torch.long).cumsum(0),
         None if q is None else t(q, dtype=torch.float32),
@@ -37,7 +38,7 @@ def run(impl, drafts, counts, q, p, bonus, uniforms, exps, greedy, max_spec_len,
         t(greedy, dtype=torch.bool),
         max_spec_len,
         lenience,
-    )
+    ))
 
 
 def check(result, expected_output, expected_num_accepted):
@@ -136,7 +137,7 @@ def test_rows_without_drafts_emit_only_the_bonus(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_step_with_no_drafts_at_all(impl):
-    output, num_accepted = IMPLS[impl](
+    output, num_accepted = IMPLS[impl](VerifyInputs(
         torch.zeros(0, dtype=torch.long),
         torch.zeros(2, dtype=torch.long),
         None,
@@ -146,15 +147,15 @@ def test_empty_step_with_no_drafts_at_all(impl):
         torch.ones(2, 5),
         torch.tensor([False, True]),
         3,
-    )
+    ))
     assert output.tolist() == [[4, -1, -1, -1], [2, -1, -1, -1]]
     assert num_accepted.tolist() == [0, 0]
 
 
 def test_verify_dispatches_to_reference_on_cpu():
     inputs = make_inputs(seed=3, counts=[2, 3], vocab=50, mode="mixed", with_draft_probs=True)
-    out, n = verify(*inputs, max_spec_len=4)
-    ref_out, ref_n = verify_reference(*inputs, max_spec_len=4)
+    out, n = verify(VerifyInputs(*inputs, max_spec_len=4))
+    ref_out, ref_n = verify_reference(VerifyInputs(*inputs, max_spec_len=4))
     assert torch.equal(out, ref_out) and torch.equal(n, ref_n)
 
 
@@ -203,8 +204,8 @@ CASES = [
 def test_kernel_matches_reference(vocab, counts, mode, with_q, lenience, block_v, num_splits):
     inputs = make_inputs(seed=vocab + len(counts), counts=counts, vocab=vocab, mode=mode, with_draft_probs=with_q)
     max_spec_len = max(counts) + 1  # one slot of pure padding
-    ref = verify_reference(*inputs, max_spec_len=max_spec_len, lenience=lenience)
-    out = verify_triton(*inputs, max_spec_len=max_spec_len, lenience=lenience, block_v=block_v,
+    ref = verify_reference(VerifyInputs(*inputs, max_spec_len=max_spec_len, lenience=lenience))
+    out = verify_triton(VerifyInputs(*inputs, max_spec_len=max_spec_len, lenience=lenience), block_v=block_v,
                         num_splits=num_splits)  # fmt: skip
     assert torch.equal(out[0], ref[0]), (out[0], ref[0])
     assert torch.equal(out[1], ref[1])
@@ -215,9 +216,9 @@ def test_kernel_matches_reference_over_many_draws():
     seen_accept = seen_reject = seen_bonus = seen_edge = 0
     for seed in range(16):
         inputs = make_inputs(seed, counts=[3, 1, 0, 4], vocab=300, mode="mixed", with_draft_probs=seed % 2 == 0)
-        ref_out, ref_n = verify_reference(*inputs, max_spec_len=4, lenience=0.8 if seed % 4 == 1 else 1.0)
-        out, n = verify_triton(*inputs, max_spec_len=4, lenience=0.8 if seed % 4 == 1 else 1.0, block_v=128,
-                               num_splits=1 + seed % 3)  # fmt: skip
+        ref_out, ref_n = verify_reference(VerifyInputs(*inputs, max_spec_len=4, lenience=0.8 if seed % 4 == 1 else 1.0))
+        out, n = verify_triton(VerifyInputs(*inputs, max_spec_len=4, lenience=0.8 if seed % 4 == 1 else 1.0),
+                               block_v=128, num_splits=1 + seed % 3)  # fmt: skip
         assert torch.equal(out, ref_out) and torch.equal(n, ref_n)
         counts = torch.tensor([3, 1, 0, 4])
         seen_accept += int(n.sum())
@@ -230,8 +231,8 @@ def test_kernel_matches_reference_over_many_draws():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_matches_reference_for_half_precision_probs(dtype):
     inputs = make_inputs(seed=7, counts=[2, 3, 1], vocab=129, mode="mixed", with_draft_probs=True, dtype=dtype)
-    ref = verify_reference(*inputs, max_spec_len=3)
-    out = verify_triton(*inputs, max_spec_len=3, block_v=128, num_splits=2)
+    ref = verify_reference(VerifyInputs(*inputs, max_spec_len=3))
+    out = verify_triton(VerifyInputs(*inputs, max_spec_len=3), block_v=128, num_splits=2)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
@@ -246,8 +247,8 @@ def test_kernel_ties_across_vocab_chunks_go_to_lowest_id(greedy, num_splits):
     q = torch.full((1, vocab), 1.0 / vocab)
     args = (torch.tensor([10]), torch.tensor([1]), q, p, torch.tensor([0]), torch.tensor([0.99]),
             torch.ones(1, vocab), torch.tensor([greedy]))
-    for out, n in (verify_reference(*args, max_spec_len=1),
-                   verify_triton(*args, max_spec_len=1, block_v=128, num_splits=num_splits)):
+    for out, n in (verify_reference(VerifyInputs(*args, max_spec_len=1)),
+                   verify_triton(VerifyInputs(*args, max_spec_len=1), block_v=128, num_splits=num_splits)):
         assert out.tolist() == [[3, -1]] and n.tolist() == [0]
 
 
@@ -264,8 +265,9 @@ def test_winners_on_either_side_of_a_split_boundary(greedy):
         args = (torch.tensor([(winner + 1) % vocab]), torch.tensor([1]), None, p, torch.tensor([7]),
                 torch.tensor([0.99]), exps, torch.tensor([greedy]))
         expected = [[winner, -1]]
-        assert verify_reference(*args, max_spec_len=1)[0].tolist() == expected
-        assert verify_triton(*args, max_spec_len=1, block_v=128, num_splits=3)[0].tolist() == expected, winner
+        assert verify_reference(VerifyInputs(*args, max_spec_len=1))[0].tolist() == expected
+        out = verify_triton(VerifyInputs(*args, max_spec_len=1), block_v=128, num_splits=3)
+        assert out[0].tolist() == expected, winner
 
 
 @pytest.mark.parametrize("lenience", [1.0, 0.7])
@@ -282,8 +284,8 @@ def test_accept_test_rounds_like_the_reference(lenience):
     p = p.clone()
     p[torch.arange(len(drafts)), drafts] = boundary
     args = (drafts, cu, q, p, bonus, uniforms, exps, greedy)
-    ref_out, ref_n = verify_reference(*args, max_spec_len=1, lenience=lenience)
-    out, n = verify_triton(*args, max_spec_len=1, lenience=lenience)
+    ref_out, ref_n = verify_reference(VerifyInputs(*args, max_spec_len=1, lenience=lenience))
+    out, n = verify_triton(VerifyInputs(*args, max_spec_len=1, lenience=lenience))
     assert ref_n.sum() == 0
     assert torch.equal(n, ref_n) and torch.equal(out, ref_out)
     # The float64 test really would differ here (so this case has teeth).
@@ -321,22 +323,22 @@ def test_bad_inputs_raise_clear_errors():
     for impl in IMPLS.values():
         for change, message in bad_cases:
             with pytest.raises(SpecdraftError, match=message):
-                impl(**{**ok, **change})
-    assert verify_reference(**ok)[0].shape == (2, 3)  # the unchanged inputs are fine
+                impl(VerifyInputs(**{**ok, **change}))
+    assert verify_reference(VerifyInputs(**ok))[0].shape == (2, 3)  # the unchanged inputs are fine
 
 
 @pytest.mark.parametrize("block_v", [64, 96, 1000, 8192, 0, -128, True, 256.0])
 def test_block_v_outside_the_race_free_range_names_the_range(block_v):
     inputs = make_inputs(seed=0, counts=[2], vocab=300, mode="random", with_draft_probs=True)
     with pytest.raises(SpecdraftError, match=r"block_v must be a power of two in \[128, 4096\]"):
-        verify_triton(*inputs, max_spec_len=2, block_v=block_v)
+        verify_triton(VerifyInputs(*inputs, max_spec_len=2), block_v=block_v)
 
 
 @pytest.mark.parametrize("num_splits", [0, -1, 1.5])
 def test_bad_num_splits_is_refused(num_splits):
     inputs = make_inputs(seed=0, counts=[2], vocab=300, mode="random", with_draft_probs=True)
     with pytest.raises(SpecdraftError, match="num_splits must be an int >= 1"):
-        verify_triton(*inputs, max_spec_len=2, num_splits=num_splits)
+        verify_triton(VerifyInputs(*inputs, max_spec_len=2), num_splits=num_splits)
 
 
 # ---------------------------------------------------------------- backend choice
@@ -357,7 +359,7 @@ def test_verify_follows_the_backend_it_is_given(monkeypatch):
     monkeypatch.setattr(verify_module, "verify_reference", lambda *a, **k: ran.append("reference") or
                         verify_reference(*a, **k))  # fmt: skip
     for backend in ("triton", "reference", "auto"):
-        verify_module.verify(*inputs, max_spec_len=3, backend=backend)
+        verify_module.verify(VerifyInputs(*inputs, max_spec_len=3), backend=backend)
     assert ran == ["triton", "reference", "reference"]  # auto on CPU: the reference
 
 
@@ -375,8 +377,8 @@ def test_triton_requested_without_triton_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     inputs = make_inputs(seed=0, counts=[2], vocab=50, mode="random", with_draft_probs=False)
     for call in (lambda: resolve_verify_backend("triton", "cuda"),
-                 lambda: verify(*inputs, max_spec_len=2, backend="triton"),
-                 lambda: verify_module.verify_triton(*inputs, max_spec_len=2)):
+                 lambda: verify(VerifyInputs(*inputs, max_spec_len=2), backend="triton"),
+                 lambda: verify_module.verify_triton(VerifyInputs(*inputs, max_spec_len=2))):
         with pytest.raises(SpecdraftError, match=r"needs triton.*pip install 'specdraft\[triton\]'"):
             call()
 

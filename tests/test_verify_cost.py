@@ -4,9 +4,16 @@ import pytest
 import torch
 from tiny import tiny_llama
 
-from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
+from specdraft.decoding.rows import fresh_sources
 from specdraft.decoding.sources import PromptLookupSource
-from specdraft.decoding.speculative import DecodeOutput, Forward, TreeDrafting, plain_decode, speculative_decode
+from specdraft.decoding.speculative import (
+    DecodeOutput,
+    Forward,
+    TreeDrafting,
+    plain_decode,
+    speculative_decode,
+    speculative_decode_batch,
+)
 from specdraft.evaluation.metrics import summarize
 from specdraft.evaluation.verify_cost import (
     ForwardCosts,

@@ -23,7 +23,7 @@ import torch
 
 from specdraft.decoding import verify as verify_lib
 from specdraft.decoding.sampling import draw_exponentials, draw_uniforms, sample
-from specdraft.decoding.verify import expected_acceptance_rate
+from specdraft.decoding.verify import VerifyInputs, expected_acceptance_rate
 
 VOCAB = 8
 NUM_STEPS = 40_000
@@ -117,7 +117,7 @@ def run_steps(ps, qs, num_steps, g, lenience=1.0, deterministic_draft=None):
     """(output [N, K+1], num_accepted [N]) from the reference sampler, looked up at call time
     so that tests/test_mutants_sampling.py can swap in a broken one."""
     inputs = verify_inputs(ps, qs, num_steps, g, deterministic_draft)
-    return verify_lib.verify_reference(*inputs, len(qs), lenience)
+    return verify_lib.verify_reference(VerifyInputs(*inputs, len(qs), lenience))
 
 
 def one_position_checks(name, p, q, g, deterministic_draft=None, num_steps=NUM_STEPS):
@@ -295,7 +295,7 @@ def test_kernel_agrees_with_the_reference_on_these_scenarios():
     ]
     for ps, qs, draft in scenarios:
         inputs = verify_inputs(ps, qs, 64, g, deterministic_draft=draft)
-        ref_out, ref_n = verify_lib.verify_reference(*inputs, len(qs))
-        out, n = verify_triton(*inputs, len(qs))
+        ref_out, ref_n = verify_lib.verify_reference(VerifyInputs(*inputs, len(qs)))
+        out, n = verify_triton(VerifyInputs(*inputs, len(qs)))
         assert torch.equal(out, ref_out) and torch.equal(n, ref_n)
         assert 0 < int(ref_n.sum()) and int((ref_n < len(qs)).sum()) > 0  # accepts and rejections both ran

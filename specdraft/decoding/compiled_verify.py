@@ -10,7 +10,7 @@ up to its own position (``position_ids``), so stale slots are never read. The pr
 A tree's verify passes its own attention mask (each node sees the kept cache, the pending token and its
 ancestors) and position ids (length + depth); here that mask is laid over the whole static cache, padded to
 the step's width, so trees compile too, one graph per (cache size, width) with a mask. The accepted path's
-keys are then gathered into place in the static buffers (``keep_cache_path``) and the rest cropped.
+keys are then gathered into place in the static buffers (``kv_cache.keep_slots``) and the rest cropped.
 
 EAGLE's taps (the inputs of chosen layers) come from the forward's hidden states, not from hooks. A target
 that trains adapters (Medusa-2's) stays eager.
@@ -45,7 +45,7 @@ class StaticVerifyCache:
         self.tree = tree  # its steps pass a tree's attention mask
 
     @property
-    def layers(self):  # each with ``keys`` / ``values`` [1, H, capacity, D]: how ``keep_cache_path`` moves a path
+    def layers(self):  # each with ``keys`` / ``values`` [1, H, capacity, D]: how ``kv_cache.keep_slots`` moves a path
         return self.static.layers
 
     def get_seq_length(self) -> int:

@@ -4,7 +4,7 @@ transformers' ``DynamicCache`` grows every layer's keys and values by ``torch.ca
 a fresh [B, H, L, D] copy per layer per step, so decoding L tokens moves O(L^2) bytes. Here each layer
 owns one buffer sized for the whole decode, a forward writes its new positions in place, and a
 rollback (a rejected draft, a tree's discarded branches) only moves the length back. The layer keeps
-``keys``/``values`` as views of the filled part, so attention, masks and ``keep_cache_path`` read it
+``keys``/``values`` as views of the filled part, so attention, masks and ``keep_slots`` read it
 exactly as they read a ``DynamicCache``. If a decode outgrows the buffer it is reallocated at twice
 the size (rare: the decoder sizes it for prompt + budget + a step's drafts).
 """
@@ -110,3 +110,23 @@ def ragged_rows(cached: list[int], new: list[int], device) -> tuple[torch.Tensor
     slot_valid = torch.cat([torch.arange(max(cached), device=device)[None] < cached_t[:, None],
                             torch.arange(max(new), device=device)[None] < new_t[:, None]], dim=1)  # fmt: skip
     return slot_valid, cached_t[:, None] + torch.arange(max(new), device=device)[None]
+
+
+def keep_slots(cache, start: int, kept: list[list[int]], width: int) -> torch.Tensor:
+    """After a step appended ``width`` slots per row from slot ``start``, keep each row's ``kept`` slots (step
+    indices, in order: the pending token, then its accepted path) as the first of those slots, crop every row to
+    the most any row kept, and return the kept slots' mask [B, most kept]. A chain keeps a prefix: nothing moves,
+    the crop alone rolls back. Works on any cache whose layers hold ``keys``/``values`` [B, H, L, D]."""
+    counts = [len(slots) for slots in kept]
+    device = cache.layers[0].keys.device
+    if any(slots != list(range(len(slots))) for slots in kept):
+        order = [slots + sorted(set(range(width)) - set(slots)) for slots in kept]
+        index = torch.tensor(order, device=device)[:, None, :, None]
+        for layer in cache.layers:
+            for step_slots in (layer.keys[:, :, start : start + width], layer.values[:, :, start : start + width]):
+                step_slots.copy_(step_slots.gather(2, index.expand_as(step_slots)))  # gather copies before the write
+    if width > max(counts):
+        cache.crop(-(width - max(counts)))  # transformers' crop counts from the end when negative
+    if len(kept) == 1:
+        return torch.ones(1, counts[0], dtype=torch.bool, device=device)
+    return torch.arange(max(counts), device=device)[None] < torch.tensor(counts, device=device)[:, None]

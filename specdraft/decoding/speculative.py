@@ -1,6 +1,6 @@
 """Speculative decoding: a draft proposes K tokens, the target checks them all in one forward.
 
-One step, for a sequence whose next token ("pending") is chosen but not yet run through the target:
+One step, for each sequence whose next token ("pending") is chosen but not yet run through the target:
   1. draft    d_1..d_K with d_i ~ q_i                       (DraftSource.propose)
   2. target   p_1..p_{K+1} from ONE forward over [pending, d_1..d_K], on the target's KV cache
   3. verify   keep d_1..d_n, accepting each d_i with probability min(1, p_i(d_i) / q_i(d_i));
@@ -12,41 +12,37 @@ Thm. 1; Chen et al. 2023), and at temperature 0 they are the target's greedy tok
 
 A source may propose a tree instead of a chain (``Proposal.parents``; ``TreeDrafting`` asks for one):
 every node is verified in the same one forward, under a tree attention mask, and the cache keeps the
-accepted path (``_verify_tree``). One prompt at a time here; ``specdraft.decoding.batched`` decodes B
-prompts together, chains or trees.
+accepted path.
+
+There is one decoder: ``speculative_decode_batch`` decodes B prompts, one target forward and one verify per step
+for all of them (how the rows share the cache and the forward: ``specdraft.decoding.rows``), and one prompt is a
+batch of one (``speculative_decode``, ``plain_decode``). A step (``_step``) is: propose, one forward, verify
+(``_verify_chains`` or ``_verify_trees``), keep each row's accepted slots, commit; one host sync.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
+import torch.nn.functional as F
 
-from specdraft.contract import DraftCapabilities
+from specdraft.contract import Proposal, check_capabilities
 from specdraft.decoding import verify as verify_lib
 from specdraft.decoding.compiled_verify import compiled_verify
-from specdraft.decoding.kv_cache import preallocated_cache
-from specdraft.decoding.tree_verify import verify_tree
-from specdraft.decoding.trees import (
-    DynamicTree,
-    StaticTree,
-    ancestor_matrix,
-    check_tree,
-    check_tree_kind,
-    tree_attention_mask,
-    tree_depths,
-)  # fmt: skip
+from specdraft.decoding.kv_cache import keep_slots
+from specdraft.decoding.rows import StepLayout, prefill_rows, propose_rows, row_outputs
 from specdraft.decoding.sampling import (
     SamplingParams,
     draw_exponentials,
     draw_uniforms,
     logits_to_probs,
-    sample,
     sample_with_exponentials,
 )
+from specdraft.decoding.tree_verify import TreeVerifyInputs, verify_tree
+from specdraft.decoding.trees import TreeDrafting, check_tree, tree_depths
 from specdraft.errors import SpecdraftError
 
 
@@ -90,6 +86,25 @@ class DecodeOutput:
     forwards: list[Forward] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class VerifyRules:
+    """How a decode call verifies drafts: the sampling that warps p (and q), and the acceptance test."""
+
+    params: SamplingParams
+    lenience: float = 1.0  # LOSSY below 1: accept while u < p / (lenience * q)
+    typical_acceptance: bool = False  # LOSSY: Medusa's typical acceptance instead of exact verify
+    backend: str = "reference"  # verify.resolve_verify_backend's answer: triton | reference
+
+
+@dataclass
+class _RowVerdict:
+    """What one row's verify decided."""
+
+    path: list[int]  # the accepted drafts' node indices (a chain: 0..n-1)
+    tokens: list[int]  # the accepted drafts, then the correction or bonus token
+    depth: int | None  # a tree's depth (None: a chain)
+
+
 @torch.no_grad()
 def speculative_decode(
     target,  # FrozenTarget: target(ids, past_key_values=..., use_cache=True) -> TargetOutputs
@@ -107,63 +122,14 @@ def speculative_decode(
     compile_target: bool | str = False,  # the verify's forward compiled (True, or a torch.compile mode)
     verify_backend: str = "auto",  # auto | triton | reference: see verify.resolve_verify_backend
 ) -> DecodeOutput:
-    """Generate up to ``max_new_tokens`` tokens with drafts from ``source``, K per step (a tree each step
-    if the source proposes one, see ``TreeDrafting``). ``timing=False`` leaves the steps' seconds at 0 and
-    the hot loop free of clock syncs; the whole call is still timed. ``compile_target`` runs each verify
-    K+1 wide (a tree: as wide as its nodes + 1) over a static cache, compiled
-    (``specdraft.decoding.compiled_verify``)."""
-    budget = check_decode_args(target, prompt_ids, max_new_tokens, k=k, lenience=lenience)
-    stop_ids = _stop_ids(eos_token_ids)
-    device = prompt_ids.device
-    backend = verify_lib.resolve_verify_backend(verify_backend, device)  # a bad choice fails before the prefill
-    start = _clock(device)
-    clock = (lambda: _clock(device)) if timing else (lambda: 0.0)
-
-    # Prefill: the target reads the prompt, the source sees its outputs (features at every position,
-    # logits at the last only: the V-wide logits of the whole prompt are never formed), the first
-    # token is drawn from p. The cache is sized for the prompt, the budget and one step's drafts (or tree).
-    verifier, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget, 1 + most_drafts(source, k),
-                                    compile_target, isinstance(source, TreeDrafting))  # fmt: skip
-    source.start(prompt_ids, out)
-    pending = _next_token(out.logits[:, -1], params, generator)  # [1, 1]
-    tokens, steps, alphas, forwards = [pending.item()], [], [], []
-    prefill_seconds = _clock(device) - start
-
-    while len(tokens) < budget and tokens[-1] not in stop_ids:
-        t0 = clock()
-        k_step = min(k, budget - len(tokens))  # never draft past the budget (or the context)
-        proposal = source.propose(pending, k_step, params, generator)
-        if not steps:  # a source's first proposal of a call is checked; later ones are trusted (no syncs)
-            _check_proposal(source, proposal, k_step)
-        t1 = clock()
-        if proposal.parents is None:
-            step = _verify_chain(verifier, cache, pending, proposal, params, generator, lenience, typical_acceptance,
-                                 check=not steps, backend=backend)  # fmt: skip
-        elif compile_target and not cache.tree:
-            raise SpecdraftError(f"{type(source).__name__} proposed a tree, and compile_target sizes its steps by a "
-                                 "TreeDrafting's tree: draft trees through TreeDrafting, or decode with compile_target off")
-        else:  # a tree: every node verified in the one forward, with a tree attention mask
-            step = _verify_tree(verifier, cache, pending, proposal, params, generator, typical_acceptance, backend)
-        t2 = clock()
-        source.commit(step.kept_ids, step.kept_out)
-        t3 = clock()
-        steps.append(StepStats(proposal.tokens.shape[1], len(step.tokens) - 1, (t1 - t0) + (t3 - t2), t2 - t1,
-                               depth=step.depth))  # fmt: skip
-        width = cache.width if compile_target else proposal.tokens.shape[1] + 1  # a compiled verify is padded
-        forwards.append(Forward("chain" if proposal.parents is None else "tree", width, steps[-1].draft_seconds))
-        alphas.append(step.alpha_predicted)
-        pending = step.pending  # the new chosen-but-unverified token, still on the device
-        tokens.extend(step.tokens)
-        if stop_ids.intersection(step.tokens):  # an accepted draft may be the stop token, not just the last
-            break
-
-    # alpha predicted stayed on the device during decoding; bring it to the host once.
-    chain_alphas = [a for a in alphas if a is not None]
-    flat = iter(torch.cat(chain_alphas).tolist()) if chain_alphas else iter(())
-    for step, alpha in zip(steps, alphas):
-        step.alpha_predicted = [] if alpha is None else list(islice(flat, alpha.numel()))
-    tokens = _truncate(tokens, budget, stop_ids)
-    return DecodeOutput(tokens, steps, prefill_seconds, _clock(device) - start, forwards=forwards)
+    """Generate up to ``max_new_tokens`` tokens for one prompt with drafts from ``source``, K per step (a tree
+    each step if the source proposes one, see ``TreeDrafting``): ``speculative_decode_batch`` with one row."""
+    check_decode_args(target, prompt_ids, max_new_tokens, k=k, lenience=lenience)
+    return speculative_decode_batch(
+        target, [source], [prompt_ids], k=k, params=params, max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids, generator=generator, lenience=lenience, typical_acceptance=typical_acceptance,
+        timing=timing, compile_target=compile_target, verify_backend=verify_backend,
+    )[0]  # fmt: skip
 
 
 @torch.no_grad()
@@ -177,37 +143,294 @@ def plain_decode(
     generator: torch.Generator | None = None,
     compile_target: bool | str = False,  # each step's forward compiled, as speculative_decode's verify
 ) -> DecodeOutput:
-    """The baseline: the same target and KV cache code, one token per forward."""
-    budget = check_decode_args(target, prompt_ids, max_new_tokens)
+    """The baseline: the same decoder, target and KV cache code, one token per forward."""
+    check_decode_args(target, prompt_ids, max_new_tokens)
+    return speculative_decode_batch(target, None, [prompt_ids], params=params, max_new_tokens=max_new_tokens,
+                                    eos_token_ids=eos_token_ids, generator=generator,
+                                    compile_target=compile_target)[0]  # fmt: skip
+
+
+@torch.no_grad()
+def speculative_decode_batch(
+    target,
+    sources: list | None,  # one DraftSource per prompt (``rows.fresh_sources`` makes them), or None: plain decoding
+    prompts: list[torch.Tensor],  # B prompts of token ids, [L_b] or [1, L_b], on the target's device
+    *,
+    k: int = 5,
+    params: SamplingParams = SamplingParams(),
+    max_new_tokens: int = 128,
+    eos_token_ids: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+    lenience: float = 1.0,  # LOSSY below 1: accept while u < p / (lenience * q)
+    typical_acceptance: bool = False,  # LOSSY: Medusa's typical acceptance instead of exact verify
+    timing: bool = True,  # split each step's time into draft and target (on CUDA: a sync per split)
+    compile_target: bool | str = False,  # one prompt only: the verify's forward compiled over a static cache
+    verify_backend: str = "auto",  # auto | triton | reference: see verify.resolve_verify_backend
+) -> list[DecodeOutput]:
+    """Decode B prompts together; returns one ``DecodeOutput`` per prompt, in order. ``sources=None`` decodes
+    plainly (one token per row per forward), the baseline. Sources may propose chains or trees (``TreeDrafting``;
+    ``k`` is then the tree's depth). Each output's ``seconds`` is the whole batch's wall clock: tokens/s per
+    request = len(tokens) / seconds. ``timing=False`` leaves the steps' seconds at 0 and the hot loop free of
+    clock syncs. ``compile_target`` runs each verify as wide as the widest step (a tree: its nodes + 1) over a
+    static cache, compiled (``specdraft.decoding.compiled_verify``). At temperature 0 each row's output is what
+    the prompt gives alone."""
+    prompts = [p.reshape(1, -1) for p in prompts]
+    batch = len(prompts)
+    if batch == 0:
+        raise SpecdraftError("speculative_decode_batch needs at least one prompt")
+    if sources is not None and len(sources) != batch:
+        raise SpecdraftError(f"got {len(sources)} sources for {batch} prompts: give one source per prompt "
+                             "(fresh_sources(source, B) makes them)")
+    if compile_target and batch > 1:
+        raise SpecdraftError("compile_target compiles one prompt's decode; batches run eager: drop compile_target, "
+                             "or decode one prompt at a time")
+    if sources is not None and batch > 1:  # one prompt's decode reads no capabilities (``rows.propose_rows``)
+        for source in sources:
+            check_capabilities(source)  # what the rows' drafting reads: a declaration without its methods fails here
+    budgets = []
+    for b, prompt in enumerate(prompts):
+        try:
+            budgets.append(check_decode_args(target, prompt, max_new_tokens, k=k, lenience=lenience))
+        except SpecdraftError as e:
+            if batch == 1:
+                raise
+            raise SpecdraftError(f"prompt {b} of the batch: {e}") from e
     stop_ids = _stop_ids(eos_token_ids)
-    device = prompt_ids.device
+    device = prompts[0].device
+    rules = VerifyRules(params, lenience, typical_acceptance,
+                        verify_lib.resolve_verify_backend(verify_backend, device))  # a bad choice fails here
     start = _clock(device)
-    forward, cache, out = _prefill(target, prompt_ids, prompt_ids.shape[1] + budget, 1, compile_target)
-    token = _next_token(out.logits[:, -1], params, generator)
-    tokens = [token.item()]
+    clock = (lambda: _clock(device)) if timing and sources is not None else (lambda: 0.0)  # plain: nothing to split
+
+    # Rows run longest prompt first, so that the prefill reads them in groups of similar length; the outputs
+    # go back in the caller's order at the end.
+    order = sorted(range(batch), key=lambda b: -prompts[b].shape[1])
+    prompts, budgets = [prompts[b] for b in order], [budgets[b] for b in order]
+    sources = None if sources is None else [sources[b] for b in order]
+    # Every step appends up to k + 1 slots per row (a TreeDrafting's tree: its nodes + 1) and keeps at most the
+    # longest accepted path: room for the budget and one step; the cache doubles in the rare case it is outgrown.
+    widest = 0 if sources is None else max(most_drafts(s, k) for s in sources)
+    verifier, static = target, None
+    if compile_target:  # the steps run compiled, 1 + widest wide over a static cache; the prefill stays eager
+        verifier = compiled_verify(target, compile_target)
+        static = verifier.new_cache(prompts[0].shape[1] + budgets[0], 1 + widest,
+                                    sources is not None and isinstance(sources[0], TreeDrafting))  # fmt: skip
+    cache, valid, last_logits = prefill_rows(target, prompts, sources, room=max(budgets) + widest + 1, static=static)
+    pending = _first_tokens(last_logits, params, generator)  # [B]
+    pending_host = pending.tolist()  # the same tokens on the host
+    tokens = [[t] for t in pending_host]
+    steps: list[list[StepStats]] = [[] for _ in range(batch)]
+    alphas: list[tuple[torch.Tensor, list[tuple[StepStats, int]]]] = []  # per step: on the device, and whose
     prefill_seconds = _clock(device) - start
-    while len(tokens) < budget and tokens[-1] not in stop_ids:
-        out = forward(token, past_key_values=cache, use_cache=True, logits="last")
-        token = _next_token(out.logits[:, -1], params, generator)
-        tokens.append(token.item())
-    forwards = [Forward("plain", 1, 0.0)] * (len(tokens) - 1)
-    return DecodeOutput(tokens, [], prefill_seconds, _clock(device) - start, forwards=forwards)
+    stopped = [tokens[b][0] in stop_ids for b in range(batch)]
+    forwards: list[Forward] = []  # the call's target forwards, shared by every row's output
+
+    while rows := [b for b in range(batch) if len(tokens[b]) < budgets[b] and not stopped[b]]:
+        # 1. draft: each row at most k (never past its budget or the context)
+        t0 = clock()
+        if sources is None:
+            proposals = {b: Proposal(pending.new_zeros(1, 0), None, None) for b in rows}
+        else:
+            wanted = {b: min(k, budgets[b] - len(tokens[b])) for b in rows}
+            proposals = propose_rows(sources, pending, wanted, params, generator)
+            for b in rows:
+                if not steps[b]:  # a source's first proposal of a call is checked; later ones are trusted (no syncs)
+                    _check_proposal(sources[b], proposals[b], wanted[b])
+        t1 = clock()
+        # 2. one target forward over [pending, drafts] for every row, padded to the widest row (a finished row
+        # rides along on padding, masked out: the batch keeps its shape and the cache its rows).
+        layout = StepLayout(rows, proposals, pending, batch)
+        if layout.trees and static is not None and not static.tree:
+            raise SpecdraftError(f"{type(sources[rows[0]]).__name__} proposed a tree, and compile_target sizes its "
+                                 "steps by a TreeDrafting's tree: draft trees through TreeDrafting, or decode with "
+                                 "compile_target off")  # fmt: skip
+        out = layout.forward(verifier, cache, valid)
+        # 3. verify (the step's one host sync)
+        first = not forwards  # the first step checks the verify's inputs (host syncs); later ones are trusted
+        if layout.trees:
+            verdicts, alpha, tested = _verify_trees(out.logits, layout, rules, generator), None, []
+        else:
+            verdicts, alpha, tested = _verify_chains(out.logits, layout, rules, generator, first)
+        # 4. each row keeps the pending token and its accepted path; those slots move to the front of the step's
+        # slots and the cache keeps as many as the row that kept most (a chain's path is already in front).
+        kept = [[] for _ in range(batch)]
+        for b, verdict in zip(rows, verdicts):
+            kept[b] = [0] + [node + 1 for node in verdict.path]
+        valid = torch.cat([valid, keep_slots(cache, valid.shape[1], kept, layout.width)], dim=1)
+        t2 = clock()
+        commits, stats = 0.0, []
+        for b, verdict in zip(rows, verdicts):
+            tokens[b].extend(verdict.tokens)
+            pending_host[b] = verdict.tokens[-1]
+            stopped[b] = bool(stop_ids.intersection(verdict.tokens))  # an accepted draft may be the stop token
+            if sources is not None:
+                t3 = clock()
+                drafted, n = proposals[b].tokens, len(verdict.path)
+                if verdict.depth is None:  # a chain: its first n drafts, at the step's first n + 1 positions
+                    kept_ids, where = torch.cat([pending[b].view(1, 1), drafted[:, :n]], dim=1), slice(0, n + 1)
+                else:
+                    kept_ids = torch.cat([pending[b].view(1, 1), drafted[:, verdict.path]], dim=1)
+                    where = torch.tensor(kept[b], device=device)
+                sources[b].commit(kept_ids, row_outputs(out, b, where))
+                commit_seconds = clock() - t3
+                commits += commit_seconds
+                # The batch waits for every row's drafts, and shares the target's forward and verify: each row
+                # is charged the whole step's drafting and verifying (c is then the batch's draft cost).
+                steps[b].append(StepStats(drafted.shape[1], n, t1 - t0 + commit_seconds, t2 - t1, depth=verdict.depth))
+                stats.append(steps[b][-1])
+        if alpha is not None and stats:
+            alphas.append((alpha, list(zip(stats, tested))))
+        pending = torch.tensor(pending_host, device=device)
+        kind = "plain" if sources is None else "tree" if layout.trees else "chain"
+        forwards.append(Forward(kind, static.width if static is not None else layout.width, t1 - t0 + commits))
+
+    # alpha predicted stayed on the device during decoding; bring it to the host once.
+    flat = iter(torch.cat([a for a, _ in alphas]).tolist()) if alphas else iter(())
+    for _, rows_tested in alphas:
+        for stat, count in rows_tested:
+            stat.alpha_predicted = list(islice(flat, count))
+    seconds = _clock(device) - start
+    outputs = [DecodeOutput(_truncate(tokens[b], budgets[b], stop_ids), steps[b], prefill_seconds, seconds, batch,
+                            forwards) for b in range(batch)]  # fmt: skip
+    return [outputs[order.index(b)] for b in range(batch)]
 
 
-def _prefill(target, prompt_ids: torch.Tensor, positions: int, width: int, compile_target: bool | str,
-             tree: bool = False):  # fmt: skip
-    """The target reads the prompt into a new cache for ``positions`` positions, with room for one step ``width``
-    wide past them; returns the forward the decode steps call, the cache, and the prompt's outputs. With
-    ``compile_target`` the steps run compiled, ``width`` wide over a static cache (``tree``: tree steps, each
-    with its mask); the prefill stays eager."""
-    if not compile_target:
-        cache = preallocated_cache(target.config, positions + width)
-        return target, cache, target(prompt_ids, past_key_values=cache, use_cache=True, logits="last")
-    forward = compiled_verify(target, compile_target)
-    cache = forward.new_cache(positions, width, tree)
-    out = target(prompt_ids, past_key_values=cache.static, use_cache=True, logits="last")
-    cache.length = prompt_ids.shape[1]
-    return forward, cache, out
+def _verify_chains(logits: torch.Tensor, layout: StepLayout, rules: VerifyRules, generator,
+                   check: bool) -> tuple[list[_RowVerdict], torch.Tensor | None, list[int]]:  # fmt: skip
+    """Chains: each active row's verdict; alpha predicted at each row's tested positions (the n accepted drafts and
+    the rejected one), flat on the device, and how many each row tested. Greedy by comparison, else ``verify``
+    over the ragged batch (rows' drafts concatenated, ``cu_num_draft_tokens`` their cumsum). One host sync."""
+    rows, counts, params = layout.rows, layout.counts, rules.params
+    device, width = logits.device, logits.shape[1]
+    row_logits = logits if len(rows) == logits.shape[0] else logits[rows]  # [R, W, V]
+    num_rows = len(rows)
+    drafts = [layout.proposals[b].tokens[0] for b in rows]
+    alpha = None
+    if width == 1:  # no row drafted (plain decoding, or no lookup match): the next token from the one position
+        emitted = _first_tokens(row_logits[:, 0], params, generator)[:, None]
+        num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
+        p = matches = None
+    elif params.is_greedy:
+        # Greedy verification is a comparison: d_1..d_n are the drafts equal to the target's argmax at their
+        # position, and the argmax after them is the next token (no V-wide p, no q needed: lenience and typical
+        # acceptance keep exactly these drafts at a one-hot p as well).
+        best = row_logits.argmax(-1)  # [R, W]
+        matches = _padded(drafts, width - 1, -1) == best[:, :-1]  # -1 never matches
+        num_accepted, emitted, p = matches.int().cumprod(1).sum(1), best, None
+    else:
+        p, matches = logits_to_probs(row_logits, params), None  # [R, W, V]
+        vocab = p.shape[-1]
+        flat_p = p[0, : counts[0]] if num_rows == 1 else torch.cat([p[i, :c] for i, c in enumerate(counts)])
+        flat_q = _flat_q([layout.proposals[b].probs for b in rows], drafts, vocab)
+        flat_drafts = drafts[0] if num_rows == 1 else torch.cat(drafts)
+        # One Exp(1) draw per row and vocab entry serves both the bonus token and the token recovered after a
+        # rejection: a step uses exactly one of the two, so sharing it keeps both exact.
+        noise = draw_exponentials(num_rows, vocab, generator, device)
+        if rules.typical_acceptance:
+            emitted, num_accepted = _typical_verify(_padded(drafts, width - 1, 0), p, counts, noise)
+        else:
+            rows_t = torch.arange(num_rows, device=device)
+            last = p[:, -1] if num_rows == 1 else p[rows_t, torch.tensor(counts, device=device)]
+            bonus = sample_with_exponentials(last, noise)  # [R] ~ p_{K'+1}
+            cu = torch.tensor(counts, device=device).cumsum(0)
+            inputs = verify_lib.VerifyInputs(
+                flat_drafts, cu, flat_q, flat_p, bonus, draw_uniforms(flat_drafts.shape[0], generator, device),
+                noise, torch.zeros(num_rows, dtype=torch.bool, device=device), max_spec_len=width - 1,
+                lenience=rules.lenience,
+            )  # fmt: skip
+            emitted, num_accepted = verify_lib.verify(inputs, check=check, backend=rules.backend)
+        # sum_x min(p, q) per drafted position; a deterministic draft (q one-hot on d) gives p(d)
+        alpha = (flat_p.gather(1, flat_drafts[:, None]).squeeze(1) if flat_q is None
+                 else verify_lib.expected_acceptance_rate(flat_p, flat_q))  # fmt: skip
+    host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the step's one host sync
+    verdicts = [_RowVerdict(list(range(n)), row[: n + 1], None) for n, *row in host]
+    tested = [min(len(v.path) + 1, c) for v, c in zip(verdicts, counts)]  # the accepted drafts and the rejected one
+    if matches is not None:  # greedy: sum_x min(p, q) with p one-hot is 1 where the draft is the argmax
+        alpha = matches.view(-1).float()
+        starts = [i * (width - 1) for i in range(num_rows)]
+    else:
+        starts = [sum(counts[:i]) for i in range(num_rows)]
+    if alpha is not None:
+        alpha = alpha[: tested[0]] if num_rows == 1 else alpha[
+            torch.tensor([s + j for s, t in zip(starts, tested) for j in range(t)], dtype=torch.long, device=device)]
+    return verdicts, alpha, tested
+
+
+def _verify_trees(logits: torch.Tensor, layout: StepLayout, rules: VerifyRules, generator) -> list[_RowVerdict]:
+    """Trees: each active row's verdict (its accepted path's node indices, the tokens it emits: the path's then one
+    more, the tree's depth). Greedy or typical: the deepest node whose path passes (``deepest_passing_node``);
+    else ``verify_tree`` over the ragged batch. One host sync."""
+    params, rows, counts = rules.params, layout.rows, layout.counts
+    device = logits.device
+    drafts = layout.ids[rows, 1:]  # [R, N]: PAD_ID past a row's nodes
+    node = torch.arange(drafts.shape[1], device=device)[None] < torch.tensor(counts, device=device)[:, None]
+    depth = torch.where(node, layout.depths, 0).amax(1)  # [R]
+    row_logits = logits if len(rows) == logits.shape[0] else logits[rows]  # [R, W, V]: row i + 1 after node i
+    if params.is_greedy or rules.typical_acceptance:
+        # A node passes if its token is the argmax (greedy) or typical (LOSSY) under its parent's p; the accepted
+        # path is the deepest node whose ancestors all pass (greedy: at most one child per node can, as siblings
+        # differ). Ties between equally deep typical nodes go to the lowest index.
+        if params.is_greedy:
+            best = row_logits.argmax(-1)  # [R, W]: row 0 after the pending token, row i + 1 after node i
+            passes = node & (drafts == best.gather(1, layout.parents + 1))
+        else:
+            p = logits_to_probs(row_logits, params)
+            parent_p = p.gather(1, (layout.parents + 1)[..., None].expand(-1, -1, p.shape[-1]))  # [R, N, V]
+            passes = node & (verify_lib.typical_acceptance(drafts[..., None], parent_p[:, :, None]) > 0)
+        last, path_mask = deepest_passing_node(passes, layout.ancestors, layout.depths)
+        if params.is_greedy:
+            final = best.gather(1, (last + 1)[:, None])
+        else:
+            after = p.gather(1, (last + 1)[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [R, V]
+            noise = draw_exponentials(len(rows), p.shape[-1], generator, device)
+            final = sample_with_exponentials(after, noise)[:, None]
+        host = torch.cat([depth[:, None], path_mask.long(), drafts, final], dim=1).tolist()  # one host sync
+        width = drafts.shape[1]
+        verdicts = []
+        for d, *row in host:
+            path = [i for i in range(width) if row[i]]
+            verdicts.append(_RowVerdict(path, [row[width + i] for i in path] + [row[-1]], d))
+        return verdicts
+    p = logits_to_probs(row_logits, params)  # [R, W, V]
+    flat_q = _flat_q([layout.proposals[b].probs for b in rows], [drafts[i, :c] for i, c in enumerate(counts)],
+                     p.shape[-1])  # fmt: skip
+    total, most = sum(counts), max(counts)
+    inputs = TreeVerifyInputs(
+        torch.cat([drafts[i, :c] for i, c in enumerate(counts)]),
+        torch.cat([layout.parents[i, :c] for i, c in enumerate(counts)]),
+        torch.tensor(counts, device=device).cumsum(0), flat_q, torch.cat([p[i, : c + 1] for i, c in enumerate(counts)]),
+        draw_uniforms(total, generator, device), draw_exponentials(len(rows), p.shape[-1], generator, device),
+        torch.zeros(len(rows), dtype=torch.bool, device=device), max_depth=most,
+    )  # fmt: skip
+    output, nodes, num_accepted = verify_tree(inputs, check=False, backend=rules.backend)
+    host = torch.cat([num_accepted[:, None], depth[:, None], output, nodes], dim=1).tolist()  # one host sync
+    return [_RowVerdict(row[most + 1 : most + 1 + n], row[: n + 1], d) for n, d, *row in host]
+
+
+def _typical_verify(drafts: torch.Tensor, p: torch.Tensor, counts: list[int], noise: torch.Tensor):
+    """LOSSY (Medusa, Cai et al. 2024, Sec. 2.3.1): per row, keep drafts ([R, W-1], any id past a row's
+    ``counts``) while p(x) > min(eps, delta e^{-H(p)}), then sample the next token from p ([R, W, V]) at the first
+    unkept position. Returns (emitted [R, W]: the kept drafts, then that token; num_accepted [R])."""
+    limit = torch.tensor(counts, device=p.device)
+    n = torch.minimum(verify_lib.typical_acceptance(drafts, p[:, :-1]), limit)  # [R]
+    after = p.gather(1, n[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [R, V]: p_{n+1}
+    next_token = sample_with_exponentials(after, noise)
+    emitted = F.pad(drafts, (0, 1), value=verify_lib.PADDING_TOKEN_ID)
+    return emitted.scatter(1, n[:, None], next_token[:, None]), n  # drafts beyond n are never read
+
+
+def deepest_passing_node(passes: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor):
+    """Rows of trees whose nodes pass or fail a test (``passes`` [R, N]; ``ancestors`` [R, N, N] and ``depths``
+    [R, N] from ``ancestor_matrix``): (the deepest node whose ancestors and itself all pass [R], -1 for none;
+    that node's path as a mask [R, N]). Equally deep nodes go to the lowest index. On the device: no sync."""
+    num_nodes = passes.shape[1]
+    if num_nodes == 0:  # empty trees: no node to accept (argmax over nothing would fail)
+        return passes.new_full((passes.shape[0],), -1, dtype=torch.long), passes
+    on_path = (ancestors <= passes[:, None, :]).all(2)  # every ancestor (and itself) passes
+    score = torch.where(on_path, depths * (num_nodes + 1) - torch.arange(num_nodes, device=passes.device), -1)
+    last = torch.where(on_path.any(1), score.argmax(1), -1)
+    path_mask = ancestors[torch.arange(passes.shape[0], device=passes.device), last.clamp_min(0)] & (last >= 0)[:, None]
+    return last, path_mask
 
 
 def most_drafts(source, k: int) -> int:
@@ -230,7 +453,7 @@ def check_decode_args(target, prompt_ids, max_new_tokens: int, k: int = 1, lenie
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
         raise SpecdraftError(
             f"prompt_ids must have shape [1, L] with L >= 1, got {tuple(prompt_ids.shape)}; the decoder "
-            "takes one prompt at a time (loop over prompts for a batch)."
+            "takes one prompt at a time here (speculative_decode_batch takes a list of prompts)."
         )
     prompt_len = prompt_ids.shape[1]
     context = getattr(target.config, "max_position_embeddings", None)
@@ -243,147 +466,6 @@ def check_decode_args(target, prompt_ids, max_new_tokens: int, k: int = 1, lenie
             "(e.g. a smaller --prefix-tokens, or drop the longest prompts)."
         )
     return min(max_new_tokens, context - prompt_len)
-
-
-def _next_token(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
-    """[1, V] logits -> [1, 1] token drawn from the warped p (greedy: the argmax, no noise needed)."""
-    if params.is_greedy:
-        return logits.argmax(-1, keepdim=True)
-    return sample(logits_to_probs(logits, params), generator).view(1, 1)
-
-
-@dataclass
-class _Verified:
-    """What one verify step decided."""
-
-    tokens: list[int]  # the accepted drafts, then the correction or bonus token
-    kept_ids: torch.Tensor  # [1, n+1]: pending and the accepted drafts, what the source commits
-    kept_out: object  # TargetOutputs for exactly those positions
-    pending: torch.Tensor  # [1, 1] the next chosen-but-unverified token
-    alpha_predicted: torch.Tensor | None  # sum_x min(p, q) at each tested position (chains), on the device
-    depth: int | None = None  # a tree's depth (None for a chain)
-
-
-def _verify_chain(target, cache, pending, proposal, params, generator, lenience, typical_acceptance,
-                  check, backend) -> _Verified:
-    """One forward over K'+1 positions, then keep d_1..d_n and one more token; roll the cache back."""
-    drafts, q = proposal.tokens, proposal.probs  # [1, K'], [1, K', V] or None (one-hot q)
-    num_drafts, device = drafts.shape[1], drafts.device
-    # logits[:, i] is p_{i+1}, the target's next-token distribution after [.., pending, d_1..d_i], warped as q was.
-    out = target(torch.cat([pending, drafts], dim=1), past_key_values=cache, use_cache=True)
-    if params.is_greedy:
-        # Greedy verification is a comparison: d_1..d_n are the drafts equal to the target's argmax
-        # at their position, and the argmax after them is the next token (no V-wide p, no q needed:
-        # lenience and typical acceptance keep exactly these drafts at a one-hot p as well).
-        best = out.logits[0].argmax(-1)  # [K'+1]
-        matches = drafts[0] == best[:num_drafts]
-        num_accepted = matches.int().cumprod(0).sum().view(1)
-        emitted, p = best.view(1, -1), None
-    else:
-        p = logits_to_probs(out.logits[0], params)  # [K'+1, V]
-        # One Exp(1) draw per vocab entry serves both the bonus token and the token recovered
-        # after a rejection: a step uses exactly one of the two, so sharing it keeps both exact.
-        noise = draw_exponentials(1, p.shape[-1], generator, device)
-        if typical_acceptance:
-            emitted, num_accepted = _typical_verify(drafts[0], p, noise)
-        else:
-            bonus = sample_with_exponentials(p[num_drafts:], noise)  # [1] ~ p_{K'+1}
-            emitted, num_accepted = verify_lib.verify(
-                drafts[0], torch.full((1,), num_drafts, device=device), None if q is None else q[0],
-                p[:num_drafts], bonus, draw_uniforms(num_drafts, generator, device), noise,
-                torch.zeros(1, dtype=torch.bool, device=device), max_spec_len=num_drafts, lenience=lenience,
-                check=check, backend=backend,
-            )  # fmt: skip
-    # The one host sync a step needs: how many drafts survived, and the tokens.
-    n, *row = torch.cat([num_accepted, emitted[0]]).tolist()
-    # Roll back: the cache holds [.., pending, d_1..d_K']; keep [.., pending, d_1..d_n].
-    cache.crop(-(num_drafts - n))
-    tested = min(n + 1, num_drafts)  # the n accepted drafts and the rejected one
-    # sum_x min(p, q) with p one-hot (greedy) is 1 where the draft is the argmax, whatever q is
-    alpha = (matches[:tested].float() if p is None else
-             _predicted_alpha(p[:tested], None if q is None else q[0, :tested], drafts[0, :tested]))
-    return _Verified(row[: n + 1], torch.cat([pending, drafts[:, :n]], dim=1), out.slice(slice(0, n + 1)),
-                     emitted[:, n : n + 1], alpha)  # fmt: skip
-
-
-def _verify_tree(target, cache, pending, proposal, params, generator, typical_acceptance, backend) -> _Verified:
-    """Verify a tree proposal: one target forward over [pending, node_1..node_N] with a tree attention mask
-    (each node sees the cache, the pending token and its ancestors, at position past + depth), pick the
-    accepted path, and leave exactly [.., pending, path] in the target's cache."""
-    drafts, parents = proposal.tokens[0], proposal.parents[0].long()
-    device, num_nodes = drafts.device, drafts.shape[0]
-    past = cache.get_seq_length()
-    ancestors = ancestor_matrix(parents)  # [N, N]: node j is node i or one of its ancestors
-    depths = ancestors.sum(1)  # [N], 1 for the root's children
-    positions = (past + torch.cat([depths.new_zeros(1), depths]))[None]
-    out = target(torch.cat([pending, drafts[None]], dim=1), attention_mask=tree_attention_mask(ancestors, past),
-                 position_ids=positions, past_key_values=cache, use_cache=True)  # fmt: skip
-    logits = out.logits[0]  # [N+1, V]: row 0 is p after the pending token, row i+1 p after node i
-    if params.is_greedy or typical_acceptance:
-        # A node passes if its token is the argmax (greedy) or typical (LOSSY) under its parent's p; the accepted
-        # path is the deepest node whose ancestors all pass (greedy: at most one child per node can, as siblings
-        # differ). Ties between equally deep typical nodes go to the lowest index.
-        p = None if params.is_greedy else logits_to_probs(logits, params)
-        parent_rows = parents + 1
-        if p is None:
-            best = logits.argmax(-1)
-            passes = drafts == best[parent_rows]
-        else:
-            passes = verify_lib.typical_acceptance(drafts[:, None], p[parent_rows][:, None]) > 0
-        last, path_mask = deepest_passing_node(passes[None], ancestors[None], depths[None])
-        last, path_mask = last[0], path_mask[0]
-        if p is None:
-            final = best[last + 1]
-        else:
-            final = sample_with_exponentials(p[last + 1], draw_exponentials(1, p.shape[-1], generator, device)[0])
-        # The one host sync of the step: the path, the final token, the tree's depth, the nodes' tokens.
-        host = torch.cat([path_mask.long(), drafts, final.view(1), depths.max().view(1)]).tolist()
-        path = [i for i in range(num_nodes) if host[i]]
-        tokens, depth = [host[num_nodes + i] for i in path] + [host[-2]], host[-1]
-    else:
-        p = logits_to_probs(logits, params)
-        vocab = p.shape[-1]
-        output, nodes, num_accepted = verify_tree(
-            drafts, parents, torch.full((1,), num_nodes, device=device),
-            None if proposal.probs is None else proposal.probs[0], p,
-            draw_uniforms(num_nodes, generator, device), draw_exponentials(1, vocab, generator, device),
-            torch.zeros(1, dtype=torch.bool, device=device), max_depth=num_nodes, check=False, backend=backend,
-        )  # fmt: skip
-        n, depth, *rest = torch.cat([num_accepted, depths.max().view(1), output[0], nodes[0]]).tolist()
-        tokens, path = rest[: n + 1], rest[num_nodes + 1 : num_nodes + 1 + n]
-    keep_cache_path(cache, past, path)
-    kept = torch.tensor([0] + [i + 1 for i in path], device=device)  # pending, then the path's nodes
-    return _Verified(tokens, torch.cat([pending, drafts[None, path]], dim=1), out.slice(kept),
-                     torch.tensor([[tokens[-1]]], device=device), None, depth)  # fmt: skip
-
-
-def deepest_passing_node(passes: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor):
-    """Rows of trees whose nodes pass or fail a test (``passes`` [R, N]; ``ancestors`` [R, N, N] and ``depths``
-    [R, N] from ``ancestor_matrix``): (the deepest node whose ancestors and itself all pass [R], -1 for none;
-    that node's path as a mask [R, N]). Equally deep nodes go to the lowest index. On the device: no sync."""
-    num_nodes = passes.shape[1]
-    if num_nodes == 0:  # empty trees: no node to accept (argmax over nothing would fail)
-        return passes.new_full((passes.shape[0],), -1, dtype=torch.long), passes
-    on_path = (ancestors <= passes[:, None, :]).all(2)  # every ancestor (and itself) passes
-    score = torch.where(on_path, depths * (num_nodes + 1) - torch.arange(num_nodes, device=passes.device), -1)
-    last = torch.where(on_path.any(1), score.argmax(1), -1)
-    path_mask = ancestors[torch.arange(passes.shape[0], device=passes.device), last.clamp_min(0)] & (last >= 0)[:, None]
-    return last, path_mask
-
-
-def keep_cache_path(cache, past: int, path: list[int]) -> None:
-    """After a tree verify the cache holds [.., pending, node_1..node_N] from position ``past``: keep the
-    pending token and the accepted ``path`` (node indices), moved into place, and drop the rest."""
-    length = past + 1 + len(path)
-    if path != list(range(len(path))):  # a prefix of the nodes is already in place
-        index = torch.tensor([past + 1 + i for i in path], device=cache.layers[0].keys.device)
-        for layer in cache.layers:
-            # index_select copies before the write, so overlapping source and destination are safe
-            layer.keys[:, :, past + 1 : length] = layer.keys.index_select(2, index)
-            layer.values[:, :, past + 1 : length] = layer.values.index_select(2, index)
-    extra = cache.get_seq_length() - length
-    if extra:
-        cache.crop(-extra)  # transformers' crop counts from the end when negative
 
 
 def _check_proposal(source, proposal, k: int) -> None:
@@ -408,52 +490,29 @@ def _check_proposal(source, proposal, k: int) -> None:
         )
 
 
-class TreeDrafting:
-    """A ``DraftSource`` that drafts ``tree`` each step through ``source.propose_tree``: how the decoder and
-    ``evaluate`` are asked for tree decoding. The decoder's ``k`` caps the tree's depth (the budget's end
-    shortens it); ``evaluate`` passes ``depth``. A source declares the trees it drafts in
-    ``capabilities.tree_kinds``; this wrapper itself drafts row by row in a batch."""
-
-    capabilities = DraftCapabilities()
-
-    def __init__(self, source, tree: StaticTree | DynamicTree):
-        check_tree_kind(source, tree)  # here, so a wrong pairing fails before any decoding
-        self.source, self.tree = source, tree
-
-    @property
-    def depth(self) -> int:
-        return self.tree.depth
-
-    def __copy__(self) -> TreeDrafting:
-        """An independent copy for another row of a batch (``batched.fresh_sources``): its source copied too."""
-        return TreeDrafting(copy.copy(self.source), self.tree)
-
-    def start(self, prompt_ids, target_out) -> None:
-        self.source.start(prompt_ids, target_out)
-
-    def propose(self, pending, k: int, params, generator):
-        return self.source.propose_tree(pending, self.tree.limited(k), params, generator)
-
-    def commit(self, kept_ids, target_out) -> None:
-        self.source.commit(kept_ids, target_out)
+def _first_tokens(logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
+    """[B, V] -> [B] the next token of each row (greedy: argmax, no noise needed; else a draw from the warped p)."""
+    if params.is_greedy:
+        return logits.argmax(-1)
+    p = logits_to_probs(logits, params)
+    return sample_with_exponentials(p, draw_exponentials(p.shape[0], p.shape[1], generator, p.device))
 
 
-def _typical_verify(drafts: torch.Tensor, p: torch.Tensor, noise: torch.Tensor):
-    """LOSSY (Medusa, Cai et al. 2024, Sec. 2.3.1): keep drafts while p(x) > min(eps, delta e^{-H(p)}),
-    then sample the next token from p at the first unkept position. Same output layout as ``verify``."""
-    num_drafts = drafts.shape[0]
-    n = verify_lib.typical_acceptance(drafts, p[:num_drafts]).view(1)  # [1]
-    next_token = sample_with_exponentials(p.index_select(0, n), noise)  # ~ p_{n+1}
-    emitted = torch.cat([drafts, drafts.new_full((1,), verify_lib.PADDING_TOKEN_ID)])
-    emitted = emitted.scatter(0, n, next_token)  # drafts beyond n are never read: the caller keeps n+1
-    return emitted.view(1, -1), n
+def _padded(drafts: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
+    """The rows' drafts [K_b] as one [R, width] tensor, ``value`` past a row's."""
+    if len(drafts) == 1 and drafts[0].shape[0] == width:
+        return drafts[0][None]
+    return torch.stack([F.pad(d, (0, width - d.shape[0]), value=value) for d in drafts])
 
 
-def _predicted_alpha(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor:
-    """sum_x min(p, q) per position; for a deterministic draft (q one-hot on d) that is p(d)."""
-    if q is None:
-        return p.gather(1, drafts[:, None]).squeeze(1)
-    return verify_lib.expected_acceptance_rate(p, q)
+def _flat_q(q: list, drafts: list[torch.Tensor], vocab: int) -> torch.Tensor | None:
+    """The rows' q ([1, K_b, V] each, None for deterministic drafts) concatenated for the flat verify layout;
+    None if every row's drafts are deterministic, else a deterministic row's q is one-hot on its drafts."""
+    if all(x is None for x in q):
+        return None
+    if len(q) == 1:
+        return q[0][0]
+    return torch.cat([x[0] if x is not None else F.one_hot(d, vocab).float() for x, d in zip(q, drafts)])
 
 
 def _stop_ids(eos_token_ids) -> set[int]:

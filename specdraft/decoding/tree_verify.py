@@ -48,6 +48,8 @@ Arithmetic, kept identical in ``verify_tree_reference`` and the Triton kernel
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
 from specdraft.decoding.trees import check_tree, tree_depths
@@ -58,19 +60,28 @@ PADDING_TOKEN_ID = -1  # fills output slots after a row's last emitted token
 PADDING_NODE = -1  # fills accepted_nodes slots after a row's accepted path
 
 
-def verify_tree(
-    node_token_ids: torch.Tensor,  # [num_nodes] long: the draft nodes of all rows, concatenated
-    node_parents: torch.Tensor,  # [num_nodes] long: row-local parent index, -1 = the row's root
-    cu_num_nodes: torch.Tensor,  # [batch] long: inclusive cumsum of per-row node counts
-    draft_probs: torch.Tensor | None,  # [num_nodes, V] q each node was drawn from; None = one-hot q
-    target_probs: torch.Tensor,  # [num_nodes + batch, V]: per row, p at the root then after each node
-    uniforms: torch.Tensor,  # [num_nodes] float32 U[0, 1): one coin per node
-    exponentials: torch.Tensor,  # [batch, V] float32 Exp(1) > 0: one race per row
-    greedy: torch.Tensor,  # [batch] bool
-    max_depth: int,
-    check: bool = True,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class TreeVerifyInputs:
+    """One tree verify step's inputs for a ragged batch of trees, in the flat layout above: what ``verify_tree``,
+    ``verify_tree_reference`` and ``verify_tree_triton`` read."""
+
+    node_token_ids: torch.Tensor  # [num_nodes] long: the draft nodes of all rows, concatenated
+    node_parents: torch.Tensor  # [num_nodes] long: row-local parent index, -1 = the row's root
+    cu_num_nodes: torch.Tensor  # [batch] long: inclusive cumsum of per-row node counts
+    draft_probs: torch.Tensor | None  # [num_nodes, V] q each node was drawn from; None = one-hot q
+    target_probs: torch.Tensor  # [num_nodes + batch, V]: per row, p at the root then after each node
+    uniforms: torch.Tensor  # [num_nodes] float32 U[0, 1): one coin per node
+    exponentials: torch.Tensor  # [batch, V] float32 Exp(1) > 0: one race per row
+    greedy: torch.Tensor  # [batch] bool
+    max_depth: int  # at least the deepest tree's depth
+
+    def unpacked(self) -> tuple:
+        """The fields in order (no copies)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+def verify_tree(inputs: TreeVerifyInputs, check: bool = True,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Returns (output_token_ids [batch, max_depth + 1], accepted_nodes [batch, max_depth], num_accepted [batch]).
 
     Each output row is the accepted path's tokens, then one final token, then -1 padding.
@@ -83,35 +94,20 @@ def verify_tree(
     ``specdraft.decoding.verify.resolve_verify_backend``): by default the Triton kernels on CUDA
     tensors, the pure-torch reference everywhere else.
     """
-    use_triton = resolve_verify_backend(backend, target_probs.device) == "triton"
-    fn = verify_tree_triton if use_triton else verify_tree_reference
-    return fn(
-        node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
-        uniforms, exponentials, greedy, max_depth, check,
-    )
+    use_triton = resolve_verify_backend(backend, inputs.target_probs.device) == "triton"
+    return verify_tree_triton(inputs, check=check) if use_triton else verify_tree_reference(inputs, check=check)
 
 
-def verify_tree_reference(
-    node_token_ids: torch.Tensor,
-    node_parents: torch.Tensor,
-    cu_num_nodes: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    uniforms: torch.Tensor,
-    exponentials: torch.Tensor,
-    greedy: torch.Tensor,
-    max_depth: int,
-    check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_tree_reference(inputs: TreeVerifyInputs,
+                          check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Pure-torch tree verify: the specification the kernel is tested against. See ``verify_tree``.
 
     All rows walk together: step j looks at every row's j-th node (so the loop runs over node
     slots, not rows, and a batch of thousands of rows costs max N_r vectorised steps).
     """
-    num_nodes_per_row = _check_inputs(
-        node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
-        uniforms, exponentials, greedy, max_depth, check,
-    )
+    num_nodes_per_row = _check_inputs(inputs, check)
+    (node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs, uniforms, exponentials, greedy,
+     max_depth) = inputs.unpacked()  # fmt: skip
     batch = cu_num_nodes.shape[0]
     device = target_probs.device
     rows = torch.arange(batch, device=device)
@@ -202,20 +198,8 @@ def race(residual: torch.Tensor, p: torch.Tensor, exponentials: torch.Tensor) ->
     return torch.where(scores.amax(-1) > 0, scores.argmax(-1), (p / exponentials).argmax(-1))
 
 
-def verify_tree_triton(
-    node_token_ids: torch.Tensor,
-    node_parents: torch.Tensor,
-    cu_num_nodes: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    uniforms: torch.Tensor,
-    exponentials: torch.Tensor,
-    greedy: torch.Tensor,
-    max_depth: int,
-    check: bool = True,
-    block_v: int | None = None,
-    num_splits: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_tree_triton(inputs: TreeVerifyInputs, check: bool = True, block_v: int | None = None,
+                       num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Tree verify with the Triton kernels. Same contract as ``verify_tree``.
 
     ``block_v`` is how many vocabulary entries a program reads per step (a power of two in [128, 4096];
@@ -223,30 +207,23 @@ def verify_tree_triton(
     enough to fill the GPU). Runs on CUDA tensors, or on CPU under the Triton interpreter
     (TRITON_INTERPRET=1 set before triton is imported).
     """
-    _check_inputs(
-        node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
-        uniforms, exponentials, greedy, max_depth, check,
-    )
-    resolve_verify_backend("triton", target_probs.device)  # triton importable, CUDA or the interpreter
+    _check_inputs(inputs, check)
+    resolve_verify_backend("triton", inputs.target_probs.device)  # triton importable, CUDA or the interpreter
     from specdraft.kernels.tree_sampler import tree_sample  # optional: needs triton
 
-    return tree_sample(
-        node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
-        uniforms, exponentials, greedy, max_depth, mass_bits=mass_scale_bits(target_probs.shape[-1]),
-        block_v=block_v, num_splits=num_splits,
-    )
+    return tree_sample(*inputs.unpacked(), mass_bits=mass_scale_bits(inputs.target_probs.shape[-1]),
+                       block_v=block_v, num_splits=num_splits)  # fmt: skip
 
 
-def _check_inputs(
-    node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs,
-    uniforms, exponentials, greedy, max_depth, check,
-) -> torch.Tensor:
+def _check_inputs(inputs: TreeVerifyInputs, check: bool) -> torch.Tensor:
     """Checks shared by both implementations; returns per-row node counts.
 
     Shapes, dtypes and devices cost nothing and are always checked. With ``check``, the values
     are too (counts, token ids, each row's tree, its depth): a bad one would make the kernel read
     or write out of bounds, and these need host syncs.
     """
+    (node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs, uniforms, exponentials, greedy,
+     max_depth) = inputs.unpacked()  # fmt: skip
     if target_probs.dim() != 2:
         raise SpecdraftError(
             f"verify_tree: target_probs must be [num_nodes + batch, vocab], got shape {tuple(target_probs.shape)}; "

@@ -20,12 +20,13 @@ walks them with q one-hot (``specdraft.decoding.tree_verify``) and stays lossles
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 import torch
 
-from specdraft.contract import check_capabilities
+from specdraft.contract import DraftCapabilities, check_capabilities
 from specdraft.errors import SpecdraftError
 
 
@@ -309,3 +310,33 @@ def expand_static_tree(tree: StaticTree, step, root_state: torch.Tensor, root_to
         node_states[index] = states[row_of]
         values[index] = top.values[row_of, rank]
     return tokens, values
+
+
+class TreeDrafting:
+    """A ``DraftSource`` that drafts ``tree`` each step through ``source.propose_tree``: how the decoder and
+    ``evaluate`` are asked for tree decoding. The decoder's ``k`` caps the tree's depth (the budget's end
+    shortens it); ``evaluate`` passes ``depth``. A source declares the trees it drafts in
+    ``capabilities.tree_kinds``; this wrapper itself drafts row by row in a batch."""
+
+    capabilities = DraftCapabilities()
+
+    def __init__(self, source, tree: StaticTree | DynamicTree):
+        check_tree_kind(source, tree)  # here, so a wrong pairing fails before any decoding
+        self.source, self.tree = source, tree
+
+    @property
+    def depth(self) -> int:
+        return self.tree.depth
+
+    def __copy__(self) -> TreeDrafting:
+        """An independent copy for another row of a batch (``rows.fresh_sources``): its source copied too."""
+        return TreeDrafting(copy.copy(self.source), self.tree)
+
+    def start(self, prompt_ids, target_out) -> None:
+        self.source.start(prompt_ids, target_out)
+
+    def propose(self, pending, k: int, params, generator):
+        return self.source.propose_tree(pending, self.tree.limited(k), params, generator)
+
+    def commit(self, kept_ids, target_out) -> None:
+        self.source.commit(kept_ids, target_out)

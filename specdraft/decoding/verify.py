@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -82,20 +83,29 @@ def _triton_import_error() -> ImportError | None:
     return None
 
 
-def verify(
-    draft_token_ids: torch.Tensor,  # [num_tokens] long: drafts of all rows, concatenated
-    cu_num_draft_tokens: torch.Tensor,  # [batch] long: inclusive cumsum of per-row draft counts
-    draft_probs: torch.Tensor | None,  # [num_tokens, V] q at each draft position; None = one-hot q
-    target_probs: torch.Tensor,  # [num_tokens, V] p at each draft position (already warped)
-    bonus_token_ids: torch.Tensor,  # [batch] long: sampled from p after each row's last draft
-    uniforms: torch.Tensor,  # [num_tokens] float32 U[0, 1)
-    exponentials: torch.Tensor,  # [batch, V] float32 Exp(1) > 0
-    greedy: torch.Tensor,  # [batch] bool
-    max_spec_len: int,
-    lenience: float = 1.0,
-    check: bool = True,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class VerifyInputs:
+    """One verify step's inputs for a ragged batch of chains, in the flat layout above (vLLM's
+    ``SpecDecodeMetadata`` and ``SamplingMetadata`` in one object): what ``verify``, ``verify_reference``
+    and ``verify_triton`` read."""
+
+    draft_token_ids: torch.Tensor  # [num_tokens] long: drafts of all rows, concatenated
+    cu_num_draft_tokens: torch.Tensor  # [batch] long: inclusive cumsum of per-row draft counts
+    draft_probs: torch.Tensor | None  # [num_tokens, V] q at each draft position; None = one-hot q
+    target_probs: torch.Tensor  # [num_tokens, V] p at each draft position (already warped)
+    bonus_token_ids: torch.Tensor  # [batch] long: sampled from p after each row's last draft
+    uniforms: torch.Tensor  # [num_tokens] float32 U[0, 1)
+    exponentials: torch.Tensor  # [batch, V] float32 Exp(1) > 0
+    greedy: torch.Tensor  # [batch] bool
+    max_spec_len: int  # output rows hold max_spec_len + 1 tokens: at least the most drafts a row has
+    lenience: float = 1.0  # LOSSY below 1, see ``verify``
+
+    def unpacked(self) -> tuple:
+        """The fields in order (no copies)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+def verify(inputs: VerifyInputs, check: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output_token_ids [batch, max_spec_len + 1] padded with -1, num_accepted [batch]).
 
     Each output row is: the accepted drafts, then one correction or bonus token,
@@ -110,32 +120,16 @@ def verify(
 
     ``check=False`` skips the input checks and their host syncs (for a caller that checked once).
     """
-    fn = verify_triton if resolve_verify_backend(backend, target_probs.device) == "triton" else verify_reference
-    return fn(
-        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-        uniforms, exponentials, greedy, max_spec_len, lenience, check=check,
-    )
+    triton = resolve_verify_backend(backend, inputs.target_probs.device) == "triton"
+    return verify_triton(inputs, check=check) if triton else verify_reference(inputs, check=check)
 
 
-def verify_reference(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    bonus_token_ids: torch.Tensor,
-    uniforms: torch.Tensor,
-    exponentials: torch.Tensor,
-    greedy: torch.Tensor,
-    max_spec_len: int,
-    lenience: float = 1.0,
-    check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_reference(inputs: VerifyInputs, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch verify: the specification the kernel is tested against. See ``verify``."""
     if check:
-        _check_inputs(
-            draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-            uniforms, exponentials, greedy, max_spec_len, lenience,
-        )  # fmt: skip
+        _check_inputs(inputs)
+    (draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids, uniforms, exponentials,
+     greedy, max_spec_len, lenience) = inputs.unpacked()  # fmt: skip
     num_drafts = _draft_counts(cu_num_draft_tokens)
     batch = cu_num_draft_tokens.shape[0]
     num_tokens, vocab_size = target_probs.shape
@@ -197,21 +191,8 @@ def recover_token(p: torch.Tensor, q: torch.Tensor, exponentials: torch.Tensor) 
     return torch.where(scores.amax(-1) > 0, scores.argmax(-1), fallback.argmax(-1))
 
 
-def verify_triton(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    bonus_token_ids: torch.Tensor,
-    uniforms: torch.Tensor,
-    exponentials: torch.Tensor,
-    greedy: torch.Tensor,
-    max_spec_len: int,
-    lenience: float = 1.0,
-    block_v: int | None = None,
-    check: bool = True,
-    num_splits: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_triton(inputs: VerifyInputs, check: bool = True, block_v: int | None = None,
+                  num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Verify with the Triton kernels. Same contract as ``verify``.
 
     ``block_v`` is how many vocabulary entries a program reads per step (a power of two in
@@ -220,17 +201,11 @@ def verify_triton(
     interpreter (TRITON_INTERPRET=1 set before triton is imported).
     """
     if check:
-        _check_inputs(
-            draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-            uniforms, exponentials, greedy, max_spec_len, lenience,
-        )  # fmt: skip
-    resolve_verify_backend("triton", target_probs.device)  # triton importable, CUDA or the interpreter
+        _check_inputs(inputs)
+    resolve_verify_backend("triton", inputs.target_probs.device)  # triton importable, CUDA or the interpreter
     from specdraft.kernels.rejection_sampler import rejection_sample  # optional: needs triton
 
-    return rejection_sample(
-        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-        uniforms, exponentials, greedy, max_spec_len, lenience, block_v=block_v, num_splits=num_splits,
-    )
+    return rejection_sample(*inputs.unpacked(), block_v=block_v, num_splits=num_splits)
 
 
 def _draft_counts(cu_num_draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -238,16 +213,15 @@ def _draft_counts(cu_num_draft_tokens: torch.Tensor) -> torch.Tensor:
     return torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
 
 
-def _check_inputs(
-    draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
-    uniforms, exponentials, greedy, max_spec_len, lenience,
-) -> torch.Tensor:
+def _check_inputs(inputs: VerifyInputs) -> torch.Tensor:
     """Shape/range checks shared by both implementations; returns per-row draft counts.
 
     A bad count or token id would make the kernel read or write out of bounds,
     so these are checked on the host (a few tiny syncs). ``check=False`` skips them: the
     decoder checks its first verify of a call, not every step.
     """
+    (draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids, uniforms, exponentials,
+     greedy, max_spec_len, lenience) = inputs.unpacked()  # fmt: skip
     if target_probs.dim() != 2:
         raise SpecdraftError(
             f"verify: target_probs must be [num_tokens, vocab], got shape {tuple(target_probs.shape)}; "

@@ -209,7 +209,7 @@ class EagleDraftSource:
       commit  drop the chain states; queue the verified features with the kept drafts, to be
               read by the next propose (one draft forward per decoding step, not two)
 
-    In a batch (``specdraft.decoding.batched``) the rows' sources draft together in ``propose_rows``.
+    In a batch (``specdraft.decoding.rows``) the rows' sources draft together in ``propose_rows``.
     """
 
     # The per-sequence state. Rows' caches and queues differ in length, so a batch drafts through

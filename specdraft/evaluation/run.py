@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.config import MAX_DRAFTS_PER_STEP
 from specdraft.contract import DraftSource
-from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
+from specdraft.decoding.rows import fresh_sources
+from specdraft.decoding.speculative import speculative_decode_batch
 from specdraft.decoding.compiled_verify import compiled_verify
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import (
@@ -111,9 +112,8 @@ def evaluate(
                                   **common)  # fmt: skip
 
     _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens, max_new_tokens)
-    if batch_size < 1 or (batch_size > 1 and (lenience < 1.0 or typical_acceptance)):
-        raise SpecdraftError(f"batch_size must be >= 1 (got {batch_size}), and batches verify exactly: drop "
-                             "--lenience / --typical-acceptance, or decode with --batch-size 1")
+    if batch_size < 1:
+        raise SpecdraftError(f"batch_size must be >= 1, got {batch_size}")
     if batch_size > 1 and compile_target:
         raise SpecdraftError("compile_target compiles one prompt's decode; batches run eager: drop --compile-target, "
                              "or decode with --batch-size 1")
@@ -135,7 +135,8 @@ def evaluate(
         return speculative_decode_batch(
             target, sources, [torch.tensor(ids, device=device) for ids in rows], k=drafts_per_step(source),
             params=params, max_new_tokens=max_new, eos_token_ids=stop_ids,
-            generator=torch.Generator(device=device).manual_seed(generator_seed), verify_backend=verify_backend,
+            generator=torch.Generator(device=device).manual_seed(generator_seed), lenience=lenience,
+            typical_acceptance=typical_acceptance, verify_backend=verify_backend,
         )  # fmt: skip
 
     # records[method] = [(prompt, output), ...]; every method sees the same prompts and seeds, in groups of

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.contract import DraftCapabilities, Proposal
-from specdraft.decoding.batched import fresh_sources, speculative_decode_batch
+from specdraft.decoding.rows import fresh_sources
+from specdraft.decoding.speculative import speculative_decode_batch
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.speculative import (
     DecodeOutput,
