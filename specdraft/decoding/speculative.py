@@ -16,8 +16,8 @@ accepted path.
 
 There is one decoder: ``speculative_decode_batch`` decodes B prompts, one target forward and one verify per step
 for all of them (how the rows share the cache and the forward: ``specdraft.decoding.rows``), and one prompt is a
-batch of one (``speculative_decode``, ``plain_decode``). A step (``_step``) is: propose, one forward, verify
-(``_verify_chains`` or ``_verify_trees``), keep each row's accepted slots, commit; one host sync.
+batch of one (``speculative_decode``, ``plain_decode``). A step (``_Decode.step``) is: propose, one forward,
+verify (``_verify_chains`` or ``_verify_trees``), keep each row's accepted slots, commit; one host sync.
 """
 
 from __future__ import annotations
@@ -217,52 +217,78 @@ def speculative_decode_batch(
                                     sources is not None and isinstance(sources[0], TreeDrafting))  # fmt: skip
     cache, valid, last_logits = prefill_rows(target, prompts, sources, room=max(budgets) + widest + 1, static=static)
     pending = _first_tokens(last_logits, params, generator)  # [B]
-    pending_host = pending.tolist()  # the same tokens on the host
-    tokens = [[t] for t in pending_host]
-    steps: list[list[StepStats]] = [[] for _ in range(batch)]
-    alphas: list[tuple[torch.Tensor, list[tuple[StepStats, int]]]] = []  # per step: on the device, and whose
+    decode = _Decode(verifier, static, sources, cache, valid, pending, budgets, k, rules, generator, clock, stop_ids)
     prefill_seconds = _clock(device) - start
-    stopped = [tokens[b][0] in stop_ids for b in range(batch)]
-    forwards: list[Forward] = []  # the call's target forwards, shared by every row's output
+    while rows := decode.active_rows():
+        decode.step(rows)
+    decode.alphas_to_host()
+    tokens, steps, forwards = decode.tokens, decode.steps, decode.forwards
+    seconds = _clock(device) - start
+    outputs = [DecodeOutput(_truncate(tokens[b], budgets[b], stop_ids), steps[b], prefill_seconds, seconds, batch,
+                            forwards) for b in range(batch)]  # fmt: skip
+    return [outputs[order.index(b)] for b in range(batch)]
 
-    while rows := [b for b in range(batch) if len(tokens[b]) < budgets[b] and not stopped[b]]:
+
+class _Decode:
+    """One decode call's rows between steps: what every step reads (the target's verify, the sources, the rules, the
+    budgets) and each row's state (its tokens and steps, its pending token, which cache slots are its own)."""
+
+    def __init__(self, verifier, static, sources, cache, valid: torch.Tensor, pending: torch.Tensor, budgets: list[int],
+                 k: int, rules: VerifyRules, generator, clock, stop_ids: set[int]):  # fmt: skip
+        self.verifier, self.static, self.sources, self.cache, self.valid = verifier, static, sources, cache, valid
+        self.budgets, self.k, self.rules, self.generator, self.clock, self.stop_ids = (budgets, k, rules, generator,
+                                                                                       clock, stop_ids)  # fmt: skip
+        self.pending, self.pending_host = pending, pending.tolist()  # [B] on the device, and the same on the host
+        self.tokens = [[t] for t in self.pending_host]
+        self.stopped = [t in stop_ids for t in self.pending_host]
+        self.steps: list[list[StepStats]] = [[] for _ in budgets]
+        self.alphas: list[tuple[torch.Tensor, list[tuple[StepStats, int]]]] = []  # per step: on the device, and whose
+        self.forwards: list[Forward] = []  # the call's target forwards, shared by every row's output
+
+    def active_rows(self) -> list[int]:
+        return [b for b, budget in enumerate(self.budgets) if len(self.tokens[b]) < budget and not self.stopped[b]]
+
+    def step(self, rows: list[int]) -> None:
+        """One step of the active ``rows``: propose, one target forward, verify (the step's one host sync), keep
+        each row's accepted slots in the cache, commit to the sources."""
+        sources, pending, clock, batch = self.sources, self.pending, self.clock, len(self.budgets)
         # 1. draft: each row at most k (never past its budget or the context)
         t0 = clock()
         if sources is None:
             proposals = {b: Proposal(pending.new_zeros(1, 0), None, None) for b in rows}
         else:
-            wanted = {b: min(k, budgets[b] - len(tokens[b])) for b in rows}
-            proposals = propose_rows(sources, pending, wanted, params, generator)
+            wanted = {b: min(self.k, self.budgets[b] - len(self.tokens[b])) for b in rows}
+            proposals = propose_rows(sources, pending, wanted, self.rules.params, self.generator)
             for b in rows:
-                if not steps[b]:  # a source's first proposal of a call is checked; later ones are trusted (no syncs)
+                if not self.steps[b]:  # a source's first proposal of a call is checked; later ones trusted (no syncs)
                     _check_proposal(sources[b], proposals[b], wanted[b])
         t1 = clock()
         # 2. one target forward over [pending, drafts] for every row, padded to the widest row (a finished row
         # rides along on padding, masked out: the batch keeps its shape and the cache its rows).
         layout = StepLayout(rows, proposals, pending, batch)
-        if layout.trees and static is not None and not static.tree:
+        if layout.trees and self.static is not None and not self.static.tree:
             raise SpecdraftError(f"{type(sources[rows[0]]).__name__} proposed a tree, and compile_target sizes its "
                                  "steps by a TreeDrafting's tree: draft trees through TreeDrafting, or decode with "
                                  "compile_target off")  # fmt: skip
-        out = layout.forward(verifier, cache, valid)
-        # 3. verify (the step's one host sync)
-        first = not forwards  # the first step checks the verify's inputs (host syncs); later ones are trusted
+        out = layout.forward(self.verifier, self.cache, self.valid)
+        # 3. verify (the step's one host sync); the first step checks the verify's inputs, later ones are trusted
         if layout.trees:
-            verdicts, alpha, tested = _verify_trees(out.logits, layout, rules, generator), None, []
+            verdicts, alpha, tested = _verify_trees(out.logits, layout, self.rules, self.generator), None, []
         else:
-            verdicts, alpha, tested = _verify_chains(out.logits, layout, rules, generator, first)
+            verdicts, alpha, tested = _verify_chains(out.logits, layout, self.rules, self.generator, not self.forwards)
         # 4. each row keeps the pending token and its accepted path; those slots move to the front of the step's
         # slots and the cache keeps as many as the row that kept most (a chain's path is already in front).
         kept = [[] for _ in range(batch)]
         for b, verdict in zip(rows, verdicts):
             kept[b] = [0] + [node + 1 for node in verdict.path]
-        valid = torch.cat([valid, keep_slots(cache, valid.shape[1], kept, layout.width)], dim=1)
+        self.valid = torch.cat([self.valid, keep_slots(self.cache, self.valid.shape[1], kept, layout.width)], dim=1)
         t2 = clock()
+        # 5. the sources commit what was kept
         commits, stats = 0.0, []
         for b, verdict in zip(rows, verdicts):
-            tokens[b].extend(verdict.tokens)
-            pending_host[b] = verdict.tokens[-1]
-            stopped[b] = bool(stop_ids.intersection(verdict.tokens))  # an accepted draft may be the stop token
+            self.tokens[b].extend(verdict.tokens)
+            self.pending_host[b] = verdict.tokens[-1]
+            self.stopped[b] = bool(self.stop_ids.intersection(verdict.tokens))  # a kept draft may be the stop token
             if sources is not None:
                 t3 = clock()
                 drafted, n = proposals[b].tokens, len(verdict.path)
@@ -270,29 +296,28 @@ def speculative_decode_batch(
                     kept_ids, where = torch.cat([pending[b].view(1, 1), drafted[:, :n]], dim=1), slice(0, n + 1)
                 else:
                     kept_ids = torch.cat([pending[b].view(1, 1), drafted[:, verdict.path]], dim=1)
-                    where = torch.tensor(kept[b], device=device)
+                    where = torch.tensor(kept[b], device=pending.device)
                 sources[b].commit(kept_ids, row_outputs(out, b, where))
                 commit_seconds = clock() - t3
                 commits += commit_seconds
                 # The batch waits for every row's drafts, and shares the target's forward and verify: each row
                 # is charged the whole step's drafting and verifying (c is then the batch's draft cost).
-                steps[b].append(StepStats(drafted.shape[1], n, t1 - t0 + commit_seconds, t2 - t1, depth=verdict.depth))
-                stats.append(steps[b][-1])
+                self.steps[b].append(StepStats(drafted.shape[1], n, t1 - t0 + commit_seconds, t2 - t1,
+                                               depth=verdict.depth))  # fmt: skip
+                stats.append(self.steps[b][-1])
         if alpha is not None and stats:
-            alphas.append((alpha, list(zip(stats, tested))))
-        pending = torch.tensor(pending_host, device=device)
+            self.alphas.append((alpha, list(zip(stats, tested))))
+        self.pending = torch.tensor(self.pending_host, device=pending.device)
         kind = "plain" if sources is None else "tree" if layout.trees else "chain"
-        forwards.append(Forward(kind, static.width if static is not None else layout.width, t1 - t0 + commits))
+        width = self.static.width if self.static is not None else layout.width  # a compiled verify is padded
+        self.forwards.append(Forward(kind, width, t1 - t0 + commits))
 
-    # alpha predicted stayed on the device during decoding; bring it to the host once.
-    flat = iter(torch.cat([a for a, _ in alphas]).tolist()) if alphas else iter(())
-    for _, rows_tested in alphas:
-        for stat, count in rows_tested:
-            stat.alpha_predicted = list(islice(flat, count))
-    seconds = _clock(device) - start
-    outputs = [DecodeOutput(_truncate(tokens[b], budgets[b], stop_ids), steps[b], prefill_seconds, seconds, batch,
-                            forwards) for b in range(batch)]  # fmt: skip
-    return [outputs[order.index(b)] for b in range(batch)]
+    def alphas_to_host(self) -> None:
+        """alpha predicted stayed on the device during decoding; bring it to the host once, into each step."""
+        flat = iter(torch.cat([a for a, _ in self.alphas]).tolist()) if self.alphas else iter(())
+        for _, rows_tested in self.alphas:
+            for stat, count in rows_tested:
+                stat.alpha_predicted = list(islice(flat, count))
 
 
 def _verify_chains(logits: torch.Tensor, layout: StepLayout, rules: VerifyRules, generator,
