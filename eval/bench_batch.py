@@ -27,7 +27,7 @@ from specdraft.contract import DraftCapabilities
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.run import drafter_name, evaluate, tree_methods
+from specdraft.evaluation.run import EvalSettings, drafter_name, evaluate, tree_methods
 from specdraft.evaluation.suites import Prompt, load_suite
 from specdraft.target import FrozenTarget, resolve_target_path
 from specdraft.toy_target import heldout_prompt_sets
@@ -101,8 +101,9 @@ def main() -> None:
                             if d.draft_source(target).capabilities.row_state})  # fmt: skip
         for n, d in drafters.items():
             sources.update(tree_methods(n, d, target, args.tree))
-        result = evaluate(target, sources, prompts, SamplingParams(), k=args.k, max_new_tokens=args.max_new_tokens,
-                          batch_size=batch_size, show_progress=False)  # fmt: skip
+        result = evaluate(target, sources, prompts,
+                          EvalSettings(SamplingParams(), k=args.k, max_new_tokens=args.max_new_tokens,
+                                       batch_size=batch_size, show_progress=False))  # fmt: skip
         for method, found in result["greedy_mismatches"].items():
             for mismatch in found:  # each one explained: rounding at a near-tie, or a DEFECT
                 verdicts.append(f"batch {batch_size}, {method}: {mismatch}")

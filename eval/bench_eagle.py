@@ -34,7 +34,7 @@ from specdraft.config import load_recipe
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.run import EvalSettings, evaluate
 from specdraft.evaluation.suites import Prompt
 from specdraft.quickstart import HELDOUT_ANSWERS, RECIPES_DIR, write_jsonl
 from specdraft.target import FrozenTarget, resolve_target_path
@@ -172,9 +172,10 @@ def evaluate_at_temperature(target, drafters: dict, prompts: list[Prompt], max_n
     """One `evaluate`: every drafter, prompt lookup and plain decoding, chain K, ``batch_size`` prompts at a time."""
     sources = {family: drafter.draft_source(target) for family, drafter in drafters.items()}
     sources["prompt-lookup"] = PromptLookupSource()
-    return evaluate(target, sources, prompts, SamplingParams(temperature=temperature), k=K,
-                    max_new_tokens=max_new_tokens, out_dir=out / f"temperature-{temperature:g}",
-                    batch_size=batch_size)
+    return evaluate(target, sources, prompts,
+                    EvalSettings(SamplingParams(temperature=temperature), k=K, max_new_tokens=max_new_tokens,
+                                 batch_size=batch_size),
+                    out / f"temperature-{temperature:g}")
 
 
 def evaluate_at_temperatures(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path,

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import load_drafter
 from specdraft.drafters.medusa2 import drift_report
-from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.run import EvalSettings, evaluate
 from specdraft.evaluation.suites import prompt_token_ids
 from specdraft.target import FrozenTarget, resolve_target_path
 
@@ -108,8 +108,9 @@ def main() -> None:
         drafter = load_drafter(record["drafter"], target).eval()
         drift = drift_report(target, drafter, prompt_ids, args.max_new_tokens)
         result = evaluate(target, {"medusa2": drafter.draft_source(target)}, eval_prompts,
-                          SamplingParams(temperature=0.0), k=K, max_new_tokens=args.max_new_tokens,
-                          out_dir=work / "eval" / run_name, show_progress=False)
+                          EvalSettings(SamplingParams(temperature=0.0), k=K, max_new_tokens=args.max_new_tokens,
+                                       show_progress=False),
+                          work / "eval" / run_name)
         overall = result["methods"]["medusa2"]["overall"]
         rows.append({"variant": name, "overrides": overrides, "minutes": record["seconds"] / 60,
                      "curve": curve(Path(record["drafter"]).parent), **drift,

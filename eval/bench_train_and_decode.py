@@ -43,7 +43,7 @@ from specdraft.decoding.sources import PromptLookupSource
 from specdraft.decoding.speculative import TreeDrafting
 from specdraft.decoding.trees import parse_tree
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.run import EvalSettings, evaluate
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.target import FrozenTarget, resolve_target_path
 from specdraft.train import train
@@ -196,9 +196,10 @@ def main() -> int:
         for temperature in args.temperatures:
             compile_target = False if mode == "off" else mode
             runs[(mode, temperature)] = evaluate(
-                target, methods_of(drafters, target, args.tree), fits, SamplingParams(temperature=temperature),
-                k=args.k, max_new_tokens=args.max_new_tokens, compile_target=compile_target,
-                out_dir=work / "eval" / f"{mode}-T{temperature:g}", show_progress=False)
+                target, methods_of(drafters, target, args.tree), fits,
+                EvalSettings(SamplingParams(temperature=temperature), k=args.k, max_new_tokens=args.max_new_tokens,
+                             compile_target=compile_target, show_progress=False),
+                work / "eval" / f"{mode}-T{temperature:g}")
     device_name = torch.cuda.get_device_name() if gpu else "CPU"
     lines = [f"## {args.target} on {device_name}: drafters trained here, decoded by specdraft (K={args.k}, "
              f"{len(fits)} prompts, max {args.max_new_tokens} new tokens, {dtype})", "",

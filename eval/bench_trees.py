@@ -39,7 +39,7 @@ from bench_families import (
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.trees import DynamicTree, parse_tree
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.run import evaluate, tree_methods
+from specdraft.evaluation.run import EvalSettings, evaluate, tree_methods
 from specdraft.evaluation.suites import prompt_token_ids
 from specdraft.target import FrozenTarget, resolve_target_path
 
@@ -159,12 +159,13 @@ def main() -> None:
     for temperature in args.temperatures:
         if args.compile_target:  # each new (cache size, step width) compiles on first use: an untimed pass first
             evaluate(target, methods_of(target, drafters, args.trees), eval_prompts,
-                     SamplingParams(temperature=temperature), k=K, max_new_tokens=args.max_new_tokens,
-                     compile_target=True, show_progress=False)  # fmt: skip
+                     EvalSettings(SamplingParams(temperature=temperature), k=K, max_new_tokens=args.max_new_tokens,
+                                  compile_target=True, show_progress=False))  # fmt: skip
         results[temperature] = evaluate(target, methods_of(target, drafters, args.trees), eval_prompts,
-                                        SamplingParams(temperature=temperature), k=K,
-                                        max_new_tokens=args.max_new_tokens, compile_target=args.compile_target,
-                                        out_dir=work / name / f"temperature-{temperature:g}")
+                                        EvalSettings(SamplingParams(temperature=temperature), k=K,
+                                                     max_new_tokens=args.max_new_tokens,
+                                                     compile_target=args.compile_target),
+                                        work / name / f"temperature-{temperature:g}")
     plot(results, work / f"{name.replace('trees', 'tree_size')}_vs_tau.png")
 
     lines = [f"## Chains and trees on {args.target} ({len(eval_prompts)} prompts from {source}, chain K={K}, "

@@ -47,7 +47,7 @@ from .drafters import get_family, load_drafter
 from .dtypes import resolve_dtype
 from .errors import SpecdraftError
 from .evaluation.report import format_table
-from .evaluation.run import evaluate, family_report
+from .evaluation.run import EvalSettings, evaluate, family_report
 from .evaluation.suites import load_suite
 from .features import check_feature_cache, open_feature_caches, with_sample_index
 from .named_targets import cache_home
@@ -495,12 +495,11 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
         sources = {recipe.drafter_family: drafter.draft_source(target)}
         if cfg.prompt_lookup_baseline:
             sources["prompt-lookup"] = PromptLookupSource()
-        results[temperature] = evaluate(
-            target, sources, cfg.prompts, SamplingParams(temperature=temperature), k=cfg.k,
-            max_new_tokens=cfg.max_new_tokens, out_dir=out_dir / f"temperature-{temperature:g}",
-            num_prompts=cfg.num_prompts, wandb_run=wandb_run, show_progress=show_progress,
-            verify_backend=cfg.verify_backend,
-        )
+        settings = EvalSettings(SamplingParams(temperature=temperature), k=cfg.k, max_new_tokens=cfg.max_new_tokens,
+                                num_prompts=cfg.num_prompts, verify_backend=cfg.verify_backend,
+                                show_progress=show_progress)  # fmt: skip
+        results[temperature] = evaluate(target, sources, cfg.prompts, settings,
+                                        out_dir / f"temperature-{temperature:g}", wandb_run=wandb_run)  # fmt: skip
         print(format_table(results[temperature]))
     family_report(recipe.drafter_family, target, drafter, cfg.prompts, cfg.max_new_tokens, out_dir, cfg.num_prompts)
     return results

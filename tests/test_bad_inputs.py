@@ -24,7 +24,7 @@ from specdraft.data.regenerate import regenerate, sidecar_of
 from specdraft.drafters import load_drafter
 from specdraft.drafters.eagle3 import Eagle3Config, eagle3_needs
 from specdraft.errors import SpecdraftError
-from specdraft.evaluation.run import evaluate
+from specdraft.evaluation.run import EvalSettings, evaluate
 from specdraft.export import export
 from specdraft.features import check_feature_cache
 from specdraft.target import FrozenTarget
@@ -322,7 +322,8 @@ def test_max_new_tokens_past_the_context_warns_once(tmp_path):
     target = FrozenTarget.from_pretrained(str(target_dir), dtype="float32")
     with pytest.warns(UserWarning, match=r"max_new_tokens 60 does not fit the target's context of 48 tokens after the "
                                          r"longest prompt \(\d+ tokens\)"):
-        result = evaluate(target, {}, [str(_questions(tmp_path))], max_new_tokens=60, show_progress=False)
+        result = evaluate(target, {}, [str(_questions(tmp_path))],
+                          EvalSettings(max_new_tokens=60, show_progress=False))  # fmt: skip
     assert result["methods"]["plain"]["overall"]["num_tokens"] < 60  # it did stop at the context's end
 
 

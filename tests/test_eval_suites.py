@@ -126,7 +126,7 @@ def test_evaluate_compares_methods_on_the_same_prompts(tmp_path, tiny_target):
     draft = tiny_llama(len(tiny_target.tokenizer), seed=0)  # the target's own weights: everything accepted
     result = eval_run.evaluate(
         tiny_target, {"same": DraftLMSource(draft), "lookup": PromptLookupSource}, [suite, code],
-        k=3, max_new_tokens=12, out_dir=tmp_path / "out", show_progress=False,
+        eval_run.EvalSettings(k=3, max_new_tokens=12, show_progress=False), tmp_path / "out",
     )  # fmt: skip
     methods = result["methods"]
     assert list(methods) == ["plain", "same", "lookup"]
@@ -157,8 +157,9 @@ def test_evaluate_compares_methods_on_the_same_prompts(tmp_path, tiny_target):
 def test_evaluate_sampling_and_lossy_flags(tmp_path, tiny_target):
     suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:])
     result = eval_run.evaluate(
-        tiny_target, {"lookup": PromptLookupSource()}, suite, SamplingParams(temperature=1.0, top_p=0.9),
-        k=2, max_new_tokens=6, lenience=0.5, show_progress=False,
+        tiny_target, {"lookup": PromptLookupSource()}, suite,
+        eval_run.EvalSettings(SamplingParams(temperature=1.0, top_p=0.9), k=2, max_new_tokens=6, lenience=0.5,
+                              show_progress=False),
     )  # fmt: skip
     assert result["config"]["lossy"] is True and "greedy_identical" not in result
     assert result["methods"]["lookup"]["overall"]["num_tokens"] <= 12
@@ -167,29 +168,34 @@ def test_evaluate_sampling_and_lossy_flags(tmp_path, tiny_target):
 def test_evaluate_bad_input(tmp_path, tiny_target):
     suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:])
     with pytest.raises(SpecdraftError, match="k \\(drafts per step\\)"):
-        eval_run.evaluate(tiny_target, {"lookup": PromptLookupSource()}, suite, k=0, show_progress=False)
+        eval_run.evaluate(tiny_target, {"lookup": PromptLookupSource()}, suite,
+                          eval_run.EvalSettings(k=0, show_progress=False))
     with pytest.raises(SpecdraftError, match="baseline"):
-        eval_run.evaluate(tiny_target, {"plain": PromptLookupSource()}, suite, show_progress=False)
+        eval_run.evaluate(tiny_target, {"plain": PromptLookupSource()}, suite,
+                          eval_run.EvalSettings(show_progress=False))
     long_prompt = write_jsonl(tmp_path / "long.jsonl", [{"text": "the cat " * 600}])
     with pytest.raises(SpecdraftError, match="max_position_embeddings"):
-        eval_run.evaluate(tiny_target, {}, long_prompt, prefix_tokens=2000, show_progress=False)
+        eval_run.evaluate(tiny_target, {}, long_prompt,
+                          eval_run.EvalSettings(prefix_tokens=2000, show_progress=False))
     small_vocab_draft = DraftLMSource(tiny_llama(len(tiny_target.tokenizer) - 10))
     with pytest.raises(SpecdraftError, match="vocab"):
-        eval_run.evaluate(tiny_target, {"draft": small_vocab_draft}, suite, show_progress=False)
+        eval_run.evaluate(tiny_target, {"draft": small_vocab_draft}, suite,
+                          eval_run.EvalSettings(show_progress=False))
 
 
 def test_evaluate_hands_its_verify_backend_to_the_decoders(tmp_path, tiny_target, monkeypatch):
     suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:3])
     with pytest.raises(SpecdraftError, match="must be one of auto, triton, reference; got 'gpu'"):
-        eval_run.evaluate(tiny_target, {}, suite, verify_backend="gpu", show_progress=False)
+        eval_run.evaluate(tiny_target, {}, suite, eval_run.EvalSettings(verify_backend="gpu", show_progress=False))
     seen = []
-    for name in ("speculative_decode", "speculative_decode_batch"):
-        real = getattr(eval_run, name)
-        monkeypatch.setattr(eval_run, name, lambda *a, real=real, **k: seen.append(k["verify_backend"]) or real(*a, **k))
+    real = eval_run.speculative_decode_batch  # the one decoder: one prompt is a batch of one
+    monkeypatch.setattr(eval_run, "speculative_decode_batch",
+                        lambda *a, **k: seen.append(k["verify_backend"]) or real(*a, **k))  # fmt: skip
     for batch_size in (1, 2):
-        result = eval_run.evaluate(tiny_target, {"lookup": PromptLookupSource()}, suite, SamplingParams(temperature=1.0),
-                                   k=2, max_new_tokens=4, verify_backend="reference", batch_size=batch_size,
-                                   show_progress=False)  # fmt: skip
+        result = eval_run.evaluate(tiny_target, {"lookup": PromptLookupSource()}, suite,
+                                   eval_run.EvalSettings(SamplingParams(temperature=1.0), k=2, max_new_tokens=4,
+                                                         batch_size=batch_size, verify_backend="reference",
+                                                         show_progress=False))  # fmt: skip
         assert result["config"]["verify_backend"] == "reference"
     assert len(seen) >= 2 and set(seen) == {"reference"}
 
@@ -254,10 +260,10 @@ def test_cli_verify_backend_reaches_evaluate(tmp_path, monkeypatch):
     suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[1:2])
     seen = {}
     real = eval_run.evaluate
-    monkeypatch.setattr(eval_run, "evaluate", lambda *a, **k: seen.update(k) or real(*a, **k))
+    monkeypatch.setattr(eval_run, "evaluate", lambda *a, **k: seen.update(settings=a[3]) or real(*a, **k))
     assert eval_run.run(cli_args(["--target", str(target_dir), "--prompts", str(suite), "--dtype", "float32",
                                   "--max-new-tokens", "4", "--no-progress", "--verify-backend", "reference"])) == 0
-    assert seen["verify_backend"] == "reference"
+    assert seen["settings"].verify_backend == "reference" and seen["settings"].max_new_tokens == 4
 
 
 def test_cli_command_is_wired():
@@ -271,10 +277,11 @@ def test_evaluate_in_batches_matches_one_at_a_time(tmp_path, tiny_target):
     every method still emits plain decoding's tokens, and throughput counts each batch's wall clock once."""
     suite = write_jsonl(tmp_path / "bench.jsonl", QUESTIONS)
     draft = tiny_llama(len(tiny_target.tokenizer), seed=0)
-    one = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft), "lookup": PromptLookupSource}, suite, k=3,
-                            max_new_tokens=10, show_progress=False)  # fmt: skip
+    one = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft), "lookup": PromptLookupSource}, suite,
+                            eval_run.EvalSettings(k=3, max_new_tokens=10, show_progress=False))  # fmt: skip
     batched = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft), "lookup": PromptLookupSource}, suite,
-                                k=3, max_new_tokens=10, show_progress=False, batch_size=3)  # fmt: skip
+                                eval_run.EvalSettings(k=3, max_new_tokens=10, batch_size=3,
+                                                      show_progress=False))  # fmt: skip
     assert batched["config"]["batch_size"] == 3 and batched["greedy_identical"] == {"same": 1.0, "lookup": 1.0}
     for name in ("plain", "same", "lookup"):
         a, b = one["methods"][name]["overall"], batched["methods"][name]["overall"]
@@ -282,13 +289,14 @@ def test_evaluate_in_batches_matches_one_at_a_time(tmp_path, tiny_target):
         assert b["total_tokens_per_second"] > b["tokens_per_second"]  # rows share each batch's clock
         assert a["total_tokens_per_second"] == pytest.approx(a["tokens_per_second"])
     # One decoder: batches take the lossy modes too (greedy, they keep exactly the greedy tokens).
-    lossy = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft)}, suite, k=3, max_new_tokens=10,
-                              show_progress=False, batch_size=3, lenience=0.5, typical_acceptance=True)  # fmt: skip
+    lossy = eval_run.evaluate(tiny_target, {"same": DraftLMSource(draft)}, suite,
+                              eval_run.EvalSettings(k=3, max_new_tokens=10, lenience=0.5, typical_acceptance=True,
+                                                    batch_size=3, show_progress=False))  # fmt: skip
     a, b = one["methods"]["same"]["overall"], lossy["methods"]["same"]["overall"]
     assert lossy["config"]["lossy"] and (a["num_tokens"], a["acceptance_length"]) == (b["num_tokens"],
                                                                                       b["acceptance_length"])
     with pytest.raises(SpecdraftError, match="batch_size must be >= 1"):
-        eval_run.evaluate(tiny_target, {}, suite, batch_size=0, show_progress=False)
+        eval_run.evaluate(tiny_target, {}, suite, eval_run.EvalSettings(batch_size=0, show_progress=False))
 
 
 def test_a_runs_drafter_goes_by_the_runs_name(tmp_path):

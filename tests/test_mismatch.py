@@ -71,16 +71,17 @@ def test_an_exact_tie_is_rounding():
 
 def test_evaluate_reports_and_prints_a_defect(target, monkeypatch):
     """A decoder that emits a wrong token is caught by the eval, located and printed as a DEFECT."""
-    real = speculative.speculative_decode
+    real = speculative.speculative_decode_batch
 
-    def broken(*args, **kwargs):
-        out = real(*args, **kwargs)
-        out.tokens[3] = (out.tokens[3] + 1) % 300
-        return out
+    def broken(target, sources, *args, **kwargs):
+        outs = real(target, sources, *args, **kwargs)
+        for out in outs if sources is not None else ():  # the drafted methods; plain decoding stays right
+            out.tokens[3] = (out.tokens[3] + 1) % 300
+        return outs
 
-    monkeypatch.setattr(eval_run, "speculative_decode", broken)
-    result = eval_run.evaluate(target, {"lookup": PromptLookupSource}, PROMPTS, k=3, max_new_tokens=10,
-                               show_progress=False)
+    monkeypatch.setattr(eval_run, "speculative_decode_batch", broken)
+    result = eval_run.evaluate(target, {"lookup": PromptLookupSource}, PROMPTS,
+                               eval_run.EvalSettings(k=3, max_new_tokens=10, show_progress=False))
     assert result["greedy_identical"] == {"lookup": 0.0}
     found = result["greedy_mismatches"]["lookup"]
     assert [(m["prompt"], m["position"], m["verdict"]) for m in found] == [("bench/1", 3, "defect"),
@@ -91,8 +92,8 @@ def test_evaluate_reports_and_prints_a_defect(target, monkeypatch):
 
 
 def test_a_correct_decoder_has_no_mismatches(target):
-    result = eval_run.evaluate(target, {"lookup": PromptLookupSource}, PROMPTS, k=3, max_new_tokens=10,
-                               show_progress=False)
+    result = eval_run.evaluate(target, {"lookup": PromptLookupSource}, PROMPTS,
+                               eval_run.EvalSettings(k=3, max_new_tokens=10, show_progress=False))
     assert result["greedy_identical"] == {"lookup": 1.0} and result["greedy_mismatches"] == {"lookup": []}
 
 

@@ -194,13 +194,14 @@ def test_smollm2_loss_mask_is_exactly_the_chatml_answers(smollm2):
 def test_smollm2_in_float32_is_greedy_identical_under_speculation(smollm2):
     """fp32 verify and 1-token forwards agree to ~1e-6: speculation must reproduce plain decoding exactly."""
     from specdraft.decoding.sources import PromptLookupSource
-    from specdraft.evaluation.run import evaluate
+    from specdraft.evaluation.run import EvalSettings, evaluate
     from specdraft.evaluation.suites import Prompt
 
     prompts = [Prompt(str(i), "t", "c", "question", [q]) for i, q in enumerate(
         ["What is the capital of France?", "Write a Python function that reverses a list.",
          "List three colours of the rainbow."])]
-    result = evaluate(smollm2, {"lookup": PromptLookupSource}, prompts, k=5, max_new_tokens=40, show_progress=False)
+    result = evaluate(smollm2, {"lookup": PromptLookupSource}, prompts,
+                      EvalSettings(k=5, max_new_tokens=40, show_progress=False))
     assert result["greedy_identical"] == {"lookup": 1.0} and result["greedy_mismatches"] == {"lookup": []}
     assert result["methods"]["lookup"]["overall"]["acceptance_length"] > 1.0  # drafts were really accepted
 

@@ -264,7 +264,7 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path, m
     raw["eval"] = {"enabled": True, "prompts": str(questions), "num_prompts": 2, "k": 3,
                    "temperatures": [0.0], "max_new_tokens": 8, "verify_backend": "reference"}
     backends, real_evaluate = [], train_module.evaluate
-    monkeypatch.setattr(train_module, "evaluate", lambda *a, **k: backends.append(k["verify_backend"]) or
+    monkeypatch.setattr(train_module, "evaluate", lambda *a, **k: backends.append(a[3].verify_backend) or
                         real_evaluate(*a, **k))  # fmt: skip
     run_dir = train(parse_recipe(raw), show_progress=False)
     assert backends == ["reference"]  # eval.verify_backend reached the decoder's evaluate

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import warnings
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +23,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdraft.config import MAX_DRAFTS_PER_STEP
 from specdraft.contract import DraftSource
 from specdraft.decoding.rows import fresh_sources
-from specdraft.decoding.speculative import speculative_decode_batch
 from specdraft.decoding.compiled_verify import compiled_verify
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.decoding.sources import (
@@ -35,8 +35,7 @@ from specdraft.decoding.speculative import (
     TreeDrafting,
     check_decode_args,
     most_drafts,
-    plain_decode,
-    speculative_decode,
+    speculative_decode_batch,
 )
 from specdraft.decoding.trees import NAMED_TREES, parse_tree
 from specdraft.decoding.verify import VERIFY_BACKENDS, resolve_verify_backend
@@ -53,27 +52,42 @@ from specdraft.target_fingerprint import check_target
 PLAIN = "plain"
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How ``evaluate`` decodes every method and measures it (``specdraft eval``'s flags fill it,
+    ``EvalSettings.from_args``; a recipe's ``eval:`` section fills it in training)."""
+
+    params: SamplingParams = SamplingParams()
+    k: int = 5  # drafts per step of a chain (a tree method drafts its tree's depth)
+    max_new_tokens: int = 128
+    num_prompts: int | None = None  # the first N prompts (None: all)
+    prefix_tokens: int = 128  # a code prompt's prefix length
+    seed: int = 0
+    lenience: float = 1.0  # LOSSY below 1 (``verify``)
+    typical_acceptance: bool = False  # LOSSY: Medusa's typical acceptance
+    batch_size: int = 1  # prompts decoded together
+    compile_target: bool | str = False  # the target's decode forwards compiled
+    verify_backend: str = "auto"  # auto | triton | reference (``verify.resolve_verify_backend``)
+    forward_costs: bool = True  # measure each step width's cost and predict each method's speedup from it
+    show_progress: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, params: SamplingParams) -> EvalSettings:
+        """The settings ``specdraft eval``'s flags ask for."""
+        return cls(params, args.k, args.max_new_tokens, args.num_prompts, args.prefix_tokens, args.seed,
+                   args.lenience, args.typical_acceptance, args.batch_size, args.compile_target, args.verify_backend,
+                   show_progress=not args.no_progress)  # fmt: skip
+
+
 def evaluate(
     target,  # FrozenTarget (with .tokenizer, or pass tokenizer=)
     sources: dict[str, DraftSource | Callable[[], DraftSource]],
     prompts: list[Prompt] | str | Path | list[str | Path],  # Prompts, or suite file(s)/folder(s)
-    params: SamplingParams = SamplingParams(),
-    k: int = 5,
-    max_new_tokens: int = 128,
+    settings: EvalSettings = EvalSettings(),
     out_dir: str | Path | None = None,
     *,
     tokenizer=None,
-    num_prompts: int | None = None,
-    prefix_tokens: int = 128,
-    seed: int = 0,
-    lenience: float = 1.0,
-    typical_acceptance: bool = False,
     wandb_run=None,
-    show_progress: bool = True,
-    batch_size: int = 1,
-    compile_target: bool | str = False,
-    verify_backend: str = "auto",
-    forward_costs: bool = True,
 ) -> dict:
     """Decode every prompt with plain decoding and with each source; return (and write) the report dict.
 
@@ -83,6 +97,9 @@ def evaluate(
     ``verify_backend``: auto | triton | reference (``specdraft.decoding.verify.resolve_verify_backend``).
     ``forward_costs`` then measures the device's cost of each step width the decodes used
     (``verify_cost.measure_forward_costs``, on the first prompt) and predicts each method's speedup from them."""
+    (params, k, max_new_tokens, num_prompts, prefix_tokens, seed, lenience, typical_acceptance, batch_size,
+     compile_target, verify_backend, forward_costs,
+     show_progress) = (getattr(settings, f.name) for f in fields(settings))  # fmt: skip
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -100,17 +117,6 @@ def evaluate(
     def drafts_per_step(source) -> int:  # a tree method drafts its tree's whole depth; k is the chains' length
         return source.depth if isinstance(source, TreeDrafting) else k
 
-    def decode(source, ids: list[int], generator_seed: int, max_new: int) -> DecodeOutput:
-        prompt_ids = torch.tensor([ids], device=device)
-        g = torch.Generator(device=device).manual_seed(generator_seed)
-        common = dict(params=params, max_new_tokens=max_new, eos_token_ids=stop_ids, generator=g,
-                      compile_target=compile_target)  # fmt: skip
-        if source is None:
-            return plain_decode(target, prompt_ids, **common)
-        return speculative_decode(target, source, prompt_ids, k=drafts_per_step(source), lenience=lenience,
-                                  typical_acceptance=typical_acceptance, verify_backend=verify_backend,
-                                  **common)  # fmt: skip
-
     _check_prompt_lengths(target, tokenizer, prompts, prefix_tokens, max_new_tokens)
     if batch_size < 1:
         raise SpecdraftError(f"batch_size must be >= 1, got {batch_size}")
@@ -125,19 +131,18 @@ def evaluate(
         widths = {(1, False) if s is None else (1 + most_drafts(s, drafts_per_step(s)), isinstance(s, TreeDrafting))
                   for s in methods.values()}  # the steps' width (plain: 1), and whether they verify trees
         precompile(target, compile_target, first_turns, max_new_tokens, widths)
-    for source in methods.values():
-        decode(source, warmup_ids, seed, min(8, max_new_tokens))
-
     def decode_rows(source, rows: list[list[int]], generator_seed: int, max_new: int) -> list[DecodeOutput]:
-        if batch_size == 1:
-            return [decode(source, rows[0], generator_seed, max_new)]
-        sources = None if source is None else fresh_sources(source, len(rows))
+        """The rows decoded together (one row: the method's own source, else a copy per row)."""
+        sources = None if source is None else [source] if len(rows) == 1 else fresh_sources(source, len(rows))
         return speculative_decode_batch(
             target, sources, [torch.tensor(ids, device=device) for ids in rows], k=drafts_per_step(source),
             params=params, max_new_tokens=max_new, eos_token_ids=stop_ids,
             generator=torch.Generator(device=device).manual_seed(generator_seed), lenience=lenience,
-            typical_acceptance=typical_acceptance, verify_backend=verify_backend,
+            typical_acceptance=typical_acceptance, compile_target=compile_target, verify_backend=verify_backend,
         )  # fmt: skip
+
+    for source in methods.values():
+        decode_rows(source, [warmup_ids], seed, min(8, max_new_tokens))
 
     # records[method] = [(prompt, output), ...]; every method sees the same prompts and seeds, in groups of
     # batch_size decoded together (turn by turn: a later turn's context is the method's own earlier answer).
@@ -445,12 +450,8 @@ def run(args: argparse.Namespace) -> int:
         import wandb  # optional at run time: only with --wandb
 
         wandb_run = wandb.init(project="specdraft", job_type="eval", config=vars(args))
-    result = evaluate(
-        target, sources, args.prompts, params, k=args.k, max_new_tokens=args.max_new_tokens, out_dir=args.out,
-        num_prompts=args.num_prompts, prefix_tokens=args.prefix_tokens, seed=args.seed, lenience=args.lenience,
-        typical_acceptance=args.typical_acceptance, wandb_run=wandb_run, show_progress=not args.no_progress,
-        batch_size=args.batch_size, compile_target=args.compile_target, verify_backend=args.verify_backend,
-    )  # fmt: skip
+    result = evaluate(target, sources, args.prompts, EvalSettings.from_args(args, params), args.out,
+                      wandb_run=wandb_run)  # fmt: skip
     if wandb_run is not None:
         wandb_run.finish()
     print(report.format_table(result))
