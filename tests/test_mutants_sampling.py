@@ -10,15 +10,11 @@ every check must pass; the cheap verify scenarios are also rerun here on the rea
 Run with ``pytest -s`` to see each mutant's statistic and bound.
 """
 
-import __future__
-import inspect
-import sys
-import textwrap
-
 import pytest
 import test_decode_statistics as decode_stats
 import test_verify
 import test_verify_statistics as verify_stats
+from mutation import mutate
 
 from specdraft.decoding import verify as verify_lib
 from specdraft.drafters.eagle_common import EagleDraftSource
@@ -41,25 +37,6 @@ MUTANTS = {
     # ... or the drafted ids themselves left as draft ids.
     "drafts not mapped through d2t": (EagleDraftSource, "_to_target_ids", "mapping[draft_ids]", "draft_ids"),
 }  # fmt: skip
-
-
-def mutate(monkeypatch, owner, name: str, original: str, mutated: str) -> None:
-    """Patch ``owner.name`` with its own source, ``original`` replaced by ``mutated``.
-
-    The source must contain ``original`` exactly once, so a refactor of the product code
-    makes this fail loudly instead of silently testing an unchanged function.
-    """
-    function = getattr(owner, name)
-    source = textwrap.dedent(inspect.getsource(function))
-    assert source.count(original) == 1, f"{name} no longer contains {original!r}: update the mutant"
-    module = sys.modules[function.__module__]
-    code = compile(
-        source.replace(original, mutated), inspect.getsourcefile(function), "exec",
-        flags=__future__.annotations.compiler_flag, dont_inherit=True,  # as the module itself is compiled
-    )  # fmt: skip
-    namespace = {}
-    exec(code, module.__dict__, namespace)
-    monkeypatch.setattr(owner, name, namespace[name])
 
 
 def named(checks, fragment: str):
