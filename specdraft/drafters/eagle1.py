@@ -36,7 +36,7 @@ from torch import nn
 
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
-from ..masks import block_causal_mask, shift_left
+from ..masks import block_causal_mask, document_lengths, shift_left
 from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
@@ -76,12 +76,13 @@ class Eagle1Config:
 
 
 def uniform_feature_noise(features: torch.Tensor, lengths: torch.Tensor, cfg: Eagle1Config) -> torch.Tensor:
-    """The reference's AddUniformNoise: U(-w/2, w/2) scaled by ref_len / (the row's real length;
-    with packing, the packed row's)."""
-    scale = torch.full_like(lengths, 1.0, dtype=features.dtype)
+    """The reference's AddUniformNoise: U(-w/2, w/2) scaled by ref_len / the sample's length. The reference
+    adds it to each sample alone (its length is the sample's); ``lengths`` [B, T] is each position's own
+    document's length (``masks.document_lengths``), so a packed row's samples get their own scales too."""
+    scale = torch.ones_like(lengths, dtype=features.dtype)
     if cfg.noise_ref_len is not None:
         scale = cfg.noise_ref_len / lengths.clamp_min(1).to(features.dtype)
-    return (torch.rand_like(features) - 0.5) * cfg.noise_width * scale[:, None, None]
+    return (torch.rand_like(features) - 0.5) * cfg.noise_width * scale[..., None]
 
 
 def eagle1_needs(cfg: Eagle1Config, target_config) -> TargetNeeds:
@@ -149,7 +150,8 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         features = self.target_features(target_out).to(self.fc.weight.dtype)
         noisy = features
         if self.training and self.config.noise == "uniform":
-            noisy = features + uniform_feature_noise(features, attention.sum(1), self.config)
+            lengths = document_lengths(attention, batch.get("seq_ids"))
+            noisy = features + uniform_feature_noise(features, lengths, self.config)
 
         # Row i reads (f_i, t_{i+1}) and predicts f_{i+1}, hence token t_{i+2}: its target
         # distribution is logits[:, i + 1], weighted by loss_mask[:, i + 2] (the loop's

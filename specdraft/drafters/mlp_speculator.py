@@ -314,24 +314,37 @@ def final_hidden_of(target_out: TargetOutputs) -> torch.Tensor:
 
 
 def cut_prompts(batch: dict[str, torch.Tensor], length: int, per_row: int) -> torch.Tensor:
-    """[N, length] prompts: the first ``per_row`` aligned windows of each row that hold ``length``
-    real tokens of one document (fms-fsdp reshapes each row's first per_row * length tokens)."""
+    """[N, length] prompts that end inside answers, so the target continues an assistant turn (not the user's).
+
+    An answer is a run of ``loss_mask`` tokens. Its first prompt is the ``length`` real tokens of its document
+    before its first token, or, where the document has fewer before it, before the first of its tokens that has
+    ``length`` (the prompt then holds the answer's start); later prompts end ``length``, ``2 length``, ... tokens
+    further into the answer. The first ``per_row`` of each row are taken. fms-fsdp reshapes each row's first
+    per_row * length tokens: on its pretraining text any window will do, but on chat rows those are the system
+    and user turns. On text data (``loss_mask`` on every real token) the prompts are windows one after another, as
+    fms-fsdp's, each followed by more of its document."""
     ids, real = batch["input_ids"], batch["attention_mask"].bool()
     B, T = ids.shape
-    W = T // length
-    windows = ids[:, : W * length].reshape(B, W, length)
-    usable = real[:, : W * length].reshape(B, W, length).all(-1)
-    if "seq_ids" in batch:
-        docs = batch["seq_ids"][:, : W * length].reshape(B, W, length)
-        usable = usable & (docs == docs[..., :1]).all(-1)
-    usable = usable & (usable.cumsum(1) <= per_row)
-    prompts = windows[usable]
-    if prompts.shape[0] == 0:
+    answer = real & batch["loss_mask"].bool()
+    docs = batch["seq_ids"] if "seq_ids" in batch else torch.zeros_like(ids)
+    position = torch.arange(T, device=ids.device).expand(B, T)
+    # where each stretch of real tokens of one document starts
+    breaks = ~real | (docs != F.pad(docs, (1, 0), value=-1)[:, :-1])
+    stretch_start = torch.where(breaks, position, 0).cummax(1).values
+    # e ends a prompt (the first generated token takes position e): e is answer text with `length` tokens before it
+    fits = answer & (position - stretch_start >= length)
+    first = fits & ~F.pad(fits, (1, 0), value=False)[:, :-1]  # an answer's first such e
+    answer_first = torch.where(first, position, 0).cummax(1).values
+    ends = fits & ((position - answer_first) % length == 0)
+    ends = ends & (ends.cumsum(1) <= per_row)
+    rows, end = ends.nonzero(as_tuple=True)
+    if rows.numel() == 0:
         longest = int(real.sum(1).max())
         raise SpecdraftError(
-            f"stage 2 found no prompt of drafter.stage2_prompt_length={length} tokens in this micro-batch (its "
-            f"longest sample has {longest}): lower stage2_prompt_length below your samples' length")
-    return prompts
+            f"stage 2 found no prompt of drafter.stage2_prompt_length={length} tokens before answer text (loss_mask) "
+            f"in this micro-batch (its longest sample has {longest} tokens): lower stage2_prompt_length below the "
+            "tokens your samples have before and into their answers")
+    return ids[rows[:, None], end[:, None] - length + torch.arange(length, device=ids.device)]
 
 
 @torch.no_grad()
@@ -377,7 +390,8 @@ def stage2_batch(target, batch: dict[str, torch.Tensor], cfg: MLPSpeculatorConfi
     """Prompts cut from ``batch``, continued by the target: (the new batch, its hidden states [N, T, H]).
 
     fms-fsdp stage 2: the heads read the states from the last prompt position on (the one that
-    predicted the first generated token), so every input token and label is the target's own."""
+    predicted the first generated token), so every input token and label is the target's own. Unlike
+    fms-fsdp (pretraining text, no end), labels stop at the first end-of-sequence token the target emits."""
     s = cfg.stage2
     P = s["stage2_prompt_length"]
     prompts = cut_prompts(batch, P, s["stage2_prompts_per_row"])
@@ -385,7 +399,11 @@ def stage2_batch(target, batch: dict[str, torch.Tensor], cfg: MLPSpeculatorConfi
     ids, hidden = sample_continuations(target, prompts, s["stage2_new_tokens"], params)
     hidden = F.pad(hidden, (0, 0, 0, 1))  # the last position's state: no label, never counted
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    generated = batch_of(ids, loss_mask=positions >= P, state_mask=positions >= P - 1)
+    # The answer ends at the target's first end-of-sequence token: it is a label, nothing after it is.
+    stop = torch.isin(ids, torch.tensor(target.stop_token_ids(), dtype=ids.dtype, device=ids.device)) & (positions >= P)
+    first_stop = torch.where(stop, positions, ids.shape[1]).amin(1, keepdim=True)
+    generated = batch_of(ids, loss_mask=(positions >= P) & (positions <= first_stop),
+                         state_mask=(positions >= P - 1) & (positions < first_stop))
     return generated, hidden
 
 
