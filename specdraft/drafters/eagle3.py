@@ -14,9 +14,10 @@ Step k at row i stands for position i + k: it reads the token t_{i+k+1} and step
 at row i, sits at RoPE position i + k, and attends the step-0 keys of rows 0..i (derived from
 real target features, block-causal) plus its own chain's keys at row i from steps 1..k. That is
 exactly what it sees when decoding, where step 0 is read from real features and later steps
-extend the KV cache. (The EAGLE-3 reference and SpecForge additionally hide step-0 keys
-i-k+1..i from step k, which decoding does not do: EAGLE issue #247, SpecForge PR #245. We follow
-decoding, and ``tests/test_eagle_decoding.py`` checks the two agree.)
+extend the KV cache; ``tests/test_eagle_decoding.py`` checks the two agree. The EAGLE-3 reference and
+SpecForge once also hid step-0 keys i-k+1..i from step k, which decoding does not do (EAGLE issue
+#247); both removed that shift (EAGLE 09b1628, SpecForge 7286dc5, PR #245), and at their HEADs they
+mask as specdraft does.
 
 Loss: step k's soft cross-entropy against the target's distribution over the draft vocabulary,
 
@@ -82,10 +83,13 @@ class Eagle3Config:
     # vocabulary size, means the full vocabulary with the identity map.
     draft_vocab_size: int | None = 32000
 
-    # Recommended optimizer (EAGLE-3 reference ds_config.json): AdamW betas (0.9, 0.95), peak lr 5e-5,
-    # no weight decay, gradient-norm clipping at 0.5.
+    # The EAGLE-3 reference's optimizer (eagle/traineagle3/ds_config.json): AdamW betas (0.9, 0.95), no weight
+    # decay, gradient-norm clipping at 0.5, and DeepSpeed's WarmupDecayLR: a warmup to the peak lr 5e-5 over
+    # 12000 steps, then a linear decay to 0 at the last step (the "linear" schedule; DeepSpeed's warmup curve
+    # is logarithmic, specdraft's is linear). Recipes shorter than 12000 steps set their own warmup_steps.
     optimizer_defaults: ClassVar[dict] = {
-        "lr": 5e-5, "betas": (0.9, 0.95), "weight_decay": 0.0, "max_grad_norm": 0.5,
+        "lr": 5e-5, "betas": (0.9, 0.95), "weight_decay": 0.0, "max_grad_norm": 0.5, "schedule": "linear",
+        "warmup_steps": 12000,
     }
 
     def __post_init__(self):
