@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .errors import SpecdraftError
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(values * mask) / max(sum(mask), 1), over all dims."""
@@ -163,6 +165,12 @@ def lk_hybrid_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask:
 # The recipe's ``drafter.loss`` for EAGLE-1/3, Medusa and the MLP speculator: "ce" is each family's own
 # (the soft cross-entropy -sum P log Q = KL(P || Q) + H(P), KL's gradient), the others aim at acceptance.
 DRAFTER_LOSSES = {"ce": soft_cross_entropy, "tvd": tv_loss, "lk_alpha": lk_alpha_loss, "lk_hybrid": lk_hybrid_loss}
+
+
+def check_drafter_loss(name: str) -> None:
+    if name not in DRAFTER_LOSSES:
+        raise SpecdraftError(f"drafter.loss must be one of {', '.join(DRAFTER_LOSSES)} (ce: the family's own; tvd, "
+                             f"lk_alpha, lk_hybrid aim at the acceptance rate), got {name!r}")
 
 
 def distillation_view(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,

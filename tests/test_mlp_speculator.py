@@ -311,16 +311,16 @@ def test_sample_continuations_are_the_targets_cached_samples():
     target = tiny_target()
     prompts = random_ids(3, 6, seed=8)
     torch.manual_seed(0)
-    ids, hidden = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
+    ids, hidden, logits = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
     assert ids.shape == (3, 16) and hidden.shape == (3, 15, 64) and torch.equal(ids[:, :6], prompts)
     teacher = target(ids)
     assert_close(hidden, final_hidden(teacher)[:, :15], what="cached vs teacher-forced hidden:")
     top10 = teacher.logits[:, 5:15].topk(10, dim=-1).indices
     assert (top10 == ids[:, 6:, None]).any(-1).all()
     torch.manual_seed(0)
-    again, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
+    again, _, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
     assert torch.equal(ids, again)
-    greedy, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=1))
+    greedy, _, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=1))
     for row in range(3):
         assert greedy[row, 6:].tolist() == plain_decode(target, prompts[row:row + 1], max_new_tokens=10).tokens
 
@@ -335,7 +335,8 @@ def test_stage2_trains_on_generated_tokens_with_fms_fsdp_offsets():
                               stage2_new_tokens=9, stage2_prompts_per_row=2)
     batch = make_batch(B=2, T=12)
     torch.manual_seed(0)
-    generated, hidden = stage2_batch(target, batch, cfg)
+    generated, target_out = stage2_batch(target, batch, cfg)
+    hidden = target_out.final_hidden
     P, S = 5, 9
     ids = generated["input_ids"]
     assert ids.shape == (4, P + S) and torch.equal(ids[:, :P], cut_prompts(batch, 5, 2))  # 2 windows per row

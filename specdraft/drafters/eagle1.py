@@ -36,6 +36,7 @@ from torch import nn
 
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
+from ..losses import DRAFTER_LOSSES, check_drafter_loss
 from ..masks import block_causal_mask, document_lengths, shift_left
 from ..transformers_compat import cache_kwargs
 from .eagle_common import (
@@ -61,6 +62,8 @@ class Eagle1Config:
     noise_width: float = 0.2
     noise_ref_len: int | None = 512
     fc_bias: bool = True
+    # L_cls's divergence (losses.DRAFTER_LOSSES): ce, the paper's; tvd, lk_alpha, lk_hybrid aim at acceptance.
+    loss: str = "ce"
 
     # Recommended optimizer for the training loop (reference main.py): AdamW, betas (0.9, 0.95),
     # lr 3e-5, torch's default weight decay 0.01, and gradient *value* clipping at 0.5.
@@ -73,6 +76,7 @@ class Eagle1Config:
             raise SpecdraftError(f"drafter.noise must be 'uniform' or 'none', got {self.noise!r}")
         if self.noise_width < 0 or self.cls_weight < 0:
             raise SpecdraftError("drafter.noise_width and drafter.cls_weight must be >= 0")
+        check_drafter_loss(self.loss)
 
 
 def uniform_feature_noise(features: torch.Tensor, lengths: torch.Tensor, cfg: Eagle1Config) -> torch.Tensor:
@@ -167,7 +171,7 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         target_logits = target_out.logits[:, 1 : rows + 1].float()
         loss, regression, classification = eagle1_loss(
             predicted[:, :rows], features[:, 1 : rows + 1], draft_logits, torch.softmax(target_logits, -1),
-            weight, self.config.cls_weight,
+            weight, self.config.cls_weight, DRAFTER_LOSSES[self.config.loss],
         )
         with torch.no_grad():
             hit = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & weight

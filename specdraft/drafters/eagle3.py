@@ -23,6 +23,7 @@ Loss: step k's soft cross-entropy against the target's distribution over the dra
 
     L = sum_k step_weight_decay^k * CE(p_target, q_k)     (0.8^k, as the reference trainer)
 
+or, with ``drafter.loss``, an acceptance-aimed loss in CE's place (``losses.DRAFTER_LOSSES``),
 where p_target is the softmax of the target's logits at the draft vocabulary's rows only
 (``eagle_losses.draft_vocab_probs``; the target never forms its V-wide logits for this family), and
 a position counts when its next token is an answer token the draft vocabulary holds. The draft's LM
@@ -56,7 +57,7 @@ from ..chain_metrics import chain_accuracy_metrics
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
-from ..losses import soft_cross_entropy
+from ..losses import DRAFTER_LOSSES, check_drafter_loss
 from ..masks import block_causal_mask, shift_left
 from .eagle_common import (
     BorrowsTargetWeights,
@@ -82,6 +83,8 @@ class Eagle3Config:
     # Reduced draft vocabulary (the most frequent assistant tokens). None, or >= the target's
     # vocabulary size, means the full vocabulary with the identity map.
     draft_vocab_size: int | None = 32000
+    # Each step's loss against p (losses.DRAFTER_LOSSES): ce, the paper's; tvd, lk_alpha, lk_hybrid aim at acceptance.
+    loss: str = "ce"
 
     # The EAGLE-3 reference's optimizer (eagle/traineagle3/ds_config.json): AdamW betas (0.9, 0.95), no weight
     # decay, gradient-norm clipping at 0.5, and DeepSpeed's WarmupDecayLR: a warmup to the peak lr 5e-5 over
@@ -99,6 +102,7 @@ class Eagle3Config:
             raise SpecdraftError(f"drafter.step_weight_decay must be > 0, got {self.step_weight_decay} (default 0.8)")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecdraftError("drafter.draft_vocab_size must be >= 1, or null for the full vocabulary")
+        check_drafter_loss(self.loss)
 
     def uses_reduced_vocab(self, target_vocab_size: int) -> bool:
         """Whether a DraftVocab must be built from the data (else the full vocabulary is used)."""
@@ -268,7 +272,7 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
             weight = weight & attention[:, :rows] & attention[:, k + 2 :]
             if seq_ids is not None:  # packing: the predicted token must be in row i's document
                 weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
-            losses.append(soft_cross_entropy(logits, step_target, weight))
+            losses.append(DRAFTER_LOSSES[self.config.loss](logits, step_target, weight))
             with torch.no_grad():  # the target's top-1 within the draft vocabulary
                 correct.append(logits.argmax(-1) == step_target.argmax(-1))
                 counted.append(weight)
