@@ -35,9 +35,9 @@ import torch
 from bench_eagle import K, evaluate_at_temperatures, evaluate_temperatures_side_by_side, markdown_table
 from bench_families import (
     RECIPE_PREFIX,
-    prompt_sets,
+    add_grid_arguments,
+    grid_data,
     recipe_for,
-    target_answers,
     train_runs,
 )
 
@@ -205,19 +205,7 @@ def assisted_only(work: Path, target_dir: Path, eval_prompts, max_new_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="toy")
-    parser.add_argument("--work", default="bench-distillspec")
-    parser.add_argument("--train-prompts", default=None)
-    parser.add_argument("--eval-prompts", default=None)
-    parser.add_argument("--num-train-prompts", type=int, default=400)
-    parser.add_argument("--heldout-answers", type=int, default=24)
-    parser.add_argument("--answer-tokens", type=int, default=256)
-    parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--per-category", type=int, default=2, help="eval prompts per category")
-    parser.add_argument("--steps", type=int, default=100, help="every cell's optimizer steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
+    add_grid_arguments(parser, work="bench-distillspec", steps=100)
     parser.add_argument("--eval-jobs", type=int, default=1, choices=(1, 2),
                         help="2: evaluate the two temperatures side by side, a process each")
     parser.add_argument("--skip-assisted", action="store_true", help="steps 1-3 only (step 4: --assisted-only)")
@@ -232,13 +220,10 @@ def main() -> None:
     recipe = recipe_for(RECIPE_PREFIX.get(args.target, target_dir.name), "distillspec")
     if recipe is None:
         sys.exit(f"no DistillSpec recipe for {args.target}: add recipes/<prefix>-distillspec.yaml")
-    train, heldout, eval_prompts, source = prompt_sets(args)
-    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype)
-    heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
-                                        args.answer_dtype)
-    overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
-                 "eval.enabled=false", f"training.max_steps={args.steps}", *args.set]
-    grid = {name: ("distillspec", recipe, overrides + cell) for name, cell in cells().items()}
+    data = grid_data(args, target_dir, work)
+    answers, heldout_answers, answer_record = data.answers, data.heldout_answers, data.answer_record
+    eval_prompts, source = data.eval_prompts, data.source
+    grid = {name: ("distillspec", recipe, data.overrides + cell) for name, cell in cells().items()}
     if args.assisted_only:
         name = args.assisted_only
         if name == "winner":

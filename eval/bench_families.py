@@ -36,6 +36,7 @@ import resource
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,6 +86,24 @@ def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt], str]:
     return toy_prompts("train", args.num_train_prompts), heldout, prompts, "the standard library (fallback)"
 
 
+def add_grid_arguments(parser, work: str, steps: int) -> None:
+    """The arguments of a grid benchmark on the toy-sized defaults (eval/bench_distillspec.py, bench_losses.py):
+    where the prompts come from, how many, the target's answers, the eval and the training budget."""
+    parser.add_argument("--target", default="toy")
+    parser.add_argument("--work", default=work)
+    parser.add_argument("--train-prompts", default=None)
+    parser.add_argument("--eval-prompts", default=None)
+    parser.add_argument("--num-train-prompts", type=int, default=400)
+    parser.add_argument("--heldout-answers", type=int, default=24)
+    parser.add_argument("--answer-tokens", type=int, default=256)
+    parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--per-category", type=int, default=2, help="eval prompts per category")
+    parser.add_argument("--steps", type=int, default=steps, help="every run's optimizer steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
+
+
 def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
                    dtype: str, batch_size: int = 16, device: str | None = None) -> tuple[Path, dict]:
     """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl (answered on
@@ -130,6 +149,29 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     by_id = {r[id_field]: r for r in read_done(everything)}
     write_jsonl(selected, [by_id[p[id_field]] for p in prompts])
     return selected, {"prompts": len(prompts), **record}
+
+
+@dataclass
+class GridData:
+    """What every run of a grid benchmark shares: the target's answers, the eval prompts, the overrides."""
+
+    answers: Path
+    heldout_answers: Path
+    answer_record: dict
+    eval_prompts: list[Prompt]
+    source: str
+    overrides: list[str]  # the data, the step budget, no acceptance eval in training, and --set
+
+
+def grid_data(args, target_dir: Path, work: Path) -> GridData:
+    """The target's own answers to the training and held-out prompts (``add_grid_arguments``'s settings)."""
+    train, heldout, eval_prompts, source = prompt_sets(args)
+    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype)
+    heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
+                                        args.answer_dtype)
+    overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
+                 "eval.enabled=false", f"training.max_steps={args.steps}", *args.set]
+    return GridData(answers, heldout_answers, answer_record, eval_prompts, source, overrides)
 
 
 # -- 2. train ---------------------------------------------------------------------------------------

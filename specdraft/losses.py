@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .errors import SpecdraftError
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(values * mask) / max(sum(mask), 1), over all dims."""
@@ -110,12 +112,65 @@ def binary_entropy(beta: float) -> float:
     return -sum(w * math.log(w) for w in (beta, 1.0 - beta) if w > 0)
 
 
+def overlap(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(P(x), Q(x)) per position ``[...]``, Q = softmax(draft_logits): the probability that
+    speculative sampling accepts a draft drawn from Q (Leviathan et al. 2023, arXiv 2211.17192, Cor. 3.6;
+    DistillSpec Eq. 2). With both summing to 1 it is 1 - TVD(P, Q)."""
+    return torch.minimum(target_probs.float(), F.softmax(draft_logits.float(), -1)).sum(-1)
+
+
 def acceptance_rate(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """alpha = sum_x min(P(x), Q(x)) = 1 - TVD(P, Q): the probability that speculative sampling accepts
-    a draft drawn from Q (Leviathan et al. 2023, Cor. 3.6; DistillSpec Eq. 2). A training metric, so
-    a divergence's curve reads directly as predicted acceptance."""
-    p, q = F.softmax(target_logits.float(), -1), F.softmax(draft_logits.float(), -1)
-    return masked_mean(torch.minimum(p, q).sum(-1), mask)
+    """alpha = sum_x min(P(x), Q(x)) = 1 - TVD(P, Q) (``overlap``), averaged over the counted positions. A
+    training metric, so a divergence's curve reads directly as predicted acceptance."""
+    return masked_mean(overlap(draft_logits, F.softmax(target_logits.float(), -1)), mask)
+
+
+# -- acceptance-aimed drafter losses ----------------------------------------------------------------------
+# Each is (draft_logits [..., V], target_probs [..., V], mask [...]) -> the mean over the counted positions,
+# P given as probabilities (as ``soft_cross_entropy`` takes it): EAGLE's P over a reduced draft vocabulary
+# is the target's renormalised there. Speculative sampling accepts with probability alpha = 1 - TVD(P, Q)
+# (``overlap``); CE and KL only bound it (Pinsker), these aim at it. Both anchors ship them: vLLM's
+# speculators (``--loss-fn tv | nla | lk_hybrid``, src/speculators/losses) and SpecForge (lk_loss_type
+# alpha | lambda, specforge/core/lk_loss.py), after Samarin et al., "LK Losses: Direct Acceptance Rate
+# Optimization for Speculative Decoding" (2026, arXiv 2602.23881).
+
+
+def tv_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - alpha = TVD(P, Q): the expected rejection rate itself (speculators' ``tv``). Its gradient vanishes
+    where Q puts almost no mass on P's support, so it trains slowly from a cold start."""
+    return masked_mean(1.0 - overlap(draft_logits, target_probs), mask)
+
+
+def lk_alpha_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
+                  floor: float = 1e-5) -> torch.Tensor:
+    """-log alpha per position (Samarin et al. 2026, LK_alpha; speculators' ``nla``, SpecForge's lk_loss_type
+    ``alpha``): TVD's target with its gradient scaled by 1 / alpha, so it trains from a cold start; for a
+    one-hot P it is the cross-entropy. alpha is floored at ``floor`` (speculators' 1e-5)."""
+    return masked_mean(-overlap(draft_logits, target_probs).clamp_min(floor).log(), mask)
+
+
+def lk_hybrid_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor,
+                   eta: float = 3.0) -> torch.Tensor:
+    """lambda KL(P || Q) + (1 - lambda) (1 - alpha) per position, lambda = exp(-eta sg[alpha]) (Samarin et al.
+    2026, the hybrid LK loss; speculators' ``lk_hybrid`` with its eta = 3, "the paper's best hybrid setting"):
+    KL's strong gradient while the draft is far from P, the acceptance rate itself as it gets close. (SpecForge's
+    ``lambda`` variant takes alpha averaged over the batch, with eta 1.)"""
+    p, log_q = target_probs.float(), F.log_softmax(draft_logits.float(), -1)
+    alpha = torch.minimum(p, log_q.exp()).sum(-1)
+    weight = torch.exp(-eta * alpha.detach())
+    kl = _kl(p.log(), log_q)
+    return masked_mean(weight * kl + (1.0 - weight) * (1.0 - alpha), mask)
+
+
+# The recipe's ``drafter.loss`` for EAGLE-1/3, Medusa and the MLP speculator: "ce" is each family's own
+# (the soft cross-entropy -sum P log Q = KL(P || Q) + H(P), KL's gradient), the others aim at acceptance.
+DRAFTER_LOSSES = {"ce": soft_cross_entropy, "tvd": tv_loss, "lk_alpha": lk_alpha_loss, "lk_hybrid": lk_hybrid_loss}
+
+
+def check_drafter_loss(name: str) -> None:
+    if name not in DRAFTER_LOSSES:
+        raise SpecdraftError(f"drafter.loss must be one of {', '.join(DRAFTER_LOSSES)} (ce: the family's own; tvd, "
+                             f"lk_alpha, lk_hybrid aim at the acceptance rate), got {name!r}")
 
 
 def distillation_view(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,

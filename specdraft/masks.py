@@ -24,6 +24,17 @@ def block_causal_mask(attention_mask: torch.Tensor, seq_ids: torch.Tensor | None
     return keep[:, None]
 
 
+def document_lengths(attention_mask: torch.Tensor, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T]``: at each position, the number of real tokens of its document (with packing, ``seq_ids``
+    names the documents, -1 on padding, whose count is 0); without packing a row is one document."""
+    real = attention_mask.long()
+    if seq_ids is None:
+        return real.sum(1, keepdim=True).expand_as(real)
+    docs = seq_ids + 1  # padding -> 0: a bucket no real token adds to
+    per_doc = torch.zeros(docs.shape[0], int(docs.max()) + 1, dtype=torch.long, device=docs.device)
+    return per_doc.scatter_add_(1, docs, real * (docs > 0)).gather(1, docs)
+
+
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     """x[:, n:] padded back to length T with ``fill``: position t now holds x[:, t + n]."""
     return F.pad(x[:, n:], (0, n), value=fill)

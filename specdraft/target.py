@@ -67,6 +67,14 @@ def check_taps(taps: tuple[int, ...], num_layers: int) -> None:
             )
 
 
+def stop_token_ids(model: nn.Module | None, tokenizer) -> list[int]:
+    """End-of-sequence ids: the tokenizer's and the model's generation config's (which may list several)."""
+    ids = {getattr(tokenizer, "eos_token_id", None)}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
 class FrozenTarget(nn.Module):
     """A causal LM in eval mode whose own weights never train, returning ``TargetOutputs``.
 
@@ -142,6 +150,10 @@ class FrozenTarget(nn.Module):
     @property
     def config(self):
         return self.model.config
+
+    def stop_token_ids(self) -> list[int]:
+        """End-of-sequence ids: the tokenizer's and the generation config's (which may list several)."""
+        return stop_token_ids(self.model, self.tokenizer)
 
     @property
     def num_layers(self) -> int:

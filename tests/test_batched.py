@@ -148,6 +148,52 @@ def test_sampled_rows_follow_the_target():
     assert_all_pass([l1_check("2nd token", tokens[:, 1], p2), l1_check("3rd token", tokens[:, 2], p3)])
 
 
+def bonus_token_scenario(num_runs=100, rows=32, k=2, num_tokens=6):
+    """T = 1, ``rows`` rows decoding the same prompt with a draft LM; each bonus token (a step accepted all its
+    drafts and drew one more from p after them) against p given its own context, from one teacher-forced target
+    forward over the emitted text: it is p's mode with probability max p, so the count of modes minus those
+    probabilities is a martingale (Freedman bound). A bonus drawn at another position's p fails it.
+    Returns ([the check], the number of bonus tokens)."""
+    from test_decode_statistics import PROMPT, SAMPLED, draft_lm_models
+    from test_verify_statistics import martingale_check
+
+    from specdraft.decoding.sampling import logits_to_probs
+
+    model, draft = draft_lm_models()
+    tokens, bonus = [], []
+    for seed in range(num_runs):
+        outs = speculative_decode_batch(model, fresh_sources(DraftLMSource(draft), rows), [PROMPT[0]] * rows, k=k,
+                                        params=SAMPLED, max_new_tokens=num_tokens,
+                                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        for out in outs:
+            is_bonus, t = [False] * num_tokens, 1  # token 0 came from the prefill
+            for step in out.steps:
+                t += step.num_accepted
+                if step.num_accepted == step.num_drafted and t < num_tokens:
+                    is_bonus[t] = True
+                t += 1
+            tokens.append(out.tokens)
+            bonus.append(is_bonus)
+    tokens, bonus = torch.tensor(tokens), torch.tensor(bonus)
+    L = PROMPT.shape[1]
+    with torch.no_grad():
+        p = logits_to_probs(model(torch.cat([PROMPT.expand(len(tokens), L), tokens], dim=1)).logits[:, L - 1 : -1],
+                            SAMPLED)  # [N, T, V]: p of each emitted token given the text before it
+    mode_probability, mode = p.max(-1)
+    check = martingale_check("bonus tokens that are p's mode", (tokens == mode)[bonus], mode_probability[bonus])
+    return [check], int(bonus.sum())
+
+
+def test_sampled_bonus_tokens_follow_the_target():
+    """The rows' bonus tokens are drawn from p after the last accepted draft (the chain decoder's tests cover one
+    prompt; test_sampled_rows_follow_the_target stops before any bonus token)."""
+    from test_verify_statistics import assert_all_pass
+
+    checks, num_bonus = bonus_token_scenario()
+    assert num_bonus > 1000  # the check has bonus tokens to test
+    assert_all_pass(checks)
+
+
 @pytest.mark.parametrize("kind", ["chain", "tree with draft probs", "tree of deterministic children"])
 def test_the_verify_backend_reaches_every_verify(kind, monkeypatch):
     """verify_backend="triton" verifies with the kernels (interpreted on a CPU, compiled on a GPU), one prompt or a

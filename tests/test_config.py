@@ -174,6 +174,14 @@ def test_every_recipe_builds_its_drafter_on_meta_with_real_dims(path):
     assert all(p.device.type == "meta" for p in drafter.trained_module().parameters())
 
 
+def test_the_eagle1_reference_recipe_clips_by_value_only():
+    """The EAGLE-1 reference clips gradients by value at 0.5 and never by norm (eagle/train/main.py): a norm limit
+    of 0.5 over a Llama-8B-sized layer would bind on nearly every step."""
+    (path,) = [p for p in RECIPES if p.name == "llama3.1-8b-eagle1.yaml"]
+    recipe = parse_recipe(yaml.safe_load(path.read_text()))
+    assert (recipe.training.clip_grad_value, recipe.training.max_grad_norm) == (0.5, 0)
+
+
 def test_family_paper_defaults_fill_what_the_recipe_leaves_unset():
     raw = yaml.safe_load(yaml.safe_dump(MINIMAL))
     raw["drafter"] = {"family": "eagle1"}
@@ -184,5 +192,8 @@ def test_family_paper_defaults_fill_what_the_recipe_leaves_unset():
     eagle3 = parse_recipe(yaml.safe_load(yaml.safe_dump(MINIMAL)))
     assert eagle3.optimizer.lr == pytest.approx(5e-5) and eagle3.training.max_grad_norm == 0.5
     assert eagle3.training.clip_grad_value is None
+    # EAGLE-3 reference (ds_config.json): WarmupDecayLR, 12000 warmup steps, then linear to 0
+    assert (eagle3.optimizer.schedule, eagle3.optimizer.warmup_steps, eagle3.optimizer.min_lr_ratio) == \
+        ("linear", 12000, 0.0)
     raw = apply_overrides(yaml.safe_load(yaml.safe_dump(MINIMAL)), ["optimizer.lr=1e-3"])
     assert parse_recipe(raw).optimizer.lr == pytest.approx(1e-3)  # the recipe wins

@@ -244,6 +244,15 @@ def draft_lm_scenario(params=SAMPLED, num_runs=NUM_RUNS, lenience=1.0):
     return all_checks(decodes, target, params), decodes
 
 
+# Warped hard enough (the 2nd token's top-1 is 0.92 of the warped p, top-k keeps 5 of 12 tokens) that a q
+# verified without the warping is caught by the draft-bias check at 2.8x its bound (tests/test_mutants_sampling.py).
+WARPED = SamplingParams(temperature=0.5, top_k=5, top_p=0.95)
+
+
+def warped_draft_lm_scenario(num_runs=300):
+    return draft_lm_scenario(WARPED, num_runs=num_runs)
+
+
 def prompt_lookup_scenario(num_runs=NUM_RUNS):
     target, prompt = prompt_lookup_setup()
     decodes = decode_many(target, lambda: PromptLookupSource(max_ngram=2), SAMPLED, prompt, num_runs)
@@ -274,7 +283,7 @@ def test_draft_lm_decoding_emits_target_marginals():
 
 def test_warped_sampling_emits_warped_target_marginals():
     """Temperature, top-k and top-p apply to p and q alike, and the output follows the warped p."""
-    checks, decodes = draft_lm_scenario(SamplingParams(temperature=0.7, top_k=6, top_p=0.9), num_runs=200)
+    checks, decodes = warped_draft_lm_scenario()
     assert_all_pass(checks)
     assert_both_paths_ran(decodes)
 

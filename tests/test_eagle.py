@@ -26,7 +26,7 @@ from specdraft.drafters.eagle_losses import (
 )
 from specdraft.errors import SpecdraftError
 from specdraft.losses import smooth_l1, soft_cross_entropy
-from specdraft.masks import block_causal_mask
+from specdraft.masks import block_causal_mask, document_lengths
 from specdraft.target import FrozenTarget
 from tiny import assert_close, seeded_init_
 
@@ -183,6 +183,32 @@ def test_eagle1_uniform_noise_only_while_training():
     assert a.item() != b.item()  # different noise draws
     c, d = (drafter.eval().compute_loss(batch, target_out).loss for _ in range(2))
     assert c.item() == d.item()
+
+
+def test_eagle1_noise_is_scaled_by_each_packed_documents_own_length(monkeypatch):
+    """The reference adds U(-w/2, w/2) * 512 / L to each sample alone, L its length: in a packed row each
+    document gets its own L (a 4-token document 4x the noise of a 16-token one), and padding's never matters."""
+    target = tiny_target()
+    ids = random_ids(1, 24, seed=3)
+    attention = torch.ones(1, 24, dtype=torch.long)
+    attention[0, 20:] = 0
+    seq_ids = torch.tensor([[0] * 4 + [1] * 16 + [-1] * 4])  # documents of 4 and 16 tokens, then padding
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": attention.clone(), "seq_ids": seq_ids}
+    assert document_lengths(attention, seq_ids).tolist() == [[4] * 4 + [16] * 16 + [0] * 4]
+    assert document_lengths(attention).tolist() == [[20] * 24]  # unpacked: the row is the one document
+    target_out = target.forward_batch(batch)
+    drafter = build("eagle1", target).train()
+    seen, real_step = [], drafter.draft_step
+    monkeypatch.setattr(drafter, "draft_step", lambda features, *a, **k: seen.append(features) or
+                        real_step(features, *a, **k))  # fmt: skip
+    drafter.compute_loss(batch, target_out)
+    noise = (seen[0] - target_out.final_hidden)[0].abs()  # [T, H]
+    cfg = drafter.config
+    for span, length in ((slice(0, 4), 4), (slice(4, 20), 16)):
+        half_width = cfg.noise_width / 2 * cfg.noise_ref_len / length
+        largest = noise[span].max().item()
+        # 4 x 64 or 16 x 64 uniform draws: the largest is within a few percent of the half-width
+        assert 0.9 * half_width < largest <= half_width * (1 + 1e-5), (length, largest, half_width)
 
 
 def test_eagle1_follows_the_reference_layout():

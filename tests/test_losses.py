@@ -8,16 +8,21 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.losses import (
+    DRAFTER_LOSSES,
     acceptance_rate,
     binary_entropy,
     distillation_view,
     forward_kl,
     generalized_jsd,
+    lk_alpha_loss,
+    lk_hybrid_loss,
     masked_mean,
+    overlap,
     reverse_kl,
     smooth_l1,
     soft_cross_entropy,
     total_variation,
+    tv_loss,
 )
 
 DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": generalized_jsd, "tvd": total_variation}
@@ -254,3 +259,67 @@ def test_gradients_are_finite_where_p_or_q_is_exactly_zero(name):
     value.backward()
     assert torch.isfinite(value) and torch.isfinite(draft.grad).all()
     assert draft.grad.abs().sum() > 0
+
+
+# -- acceptance-aimed drafter losses (drafter.loss) -------------------------------------------------------
+
+# One position worked by hand: P = (0.5, 0.3, 0.2), Q = (0.2, 0.5, 0.3): alpha = 0.2 + 0.3 + 0.2 = 0.7,
+# TVD = (0.3 + 0.2 + 0.1) / 2 = 0.3.
+HAND_P = torch.tensor([[0.5, 0.3, 0.2]])
+HAND_Q = torch.tensor([[0.2, 0.5, 0.3]])
+HAND_KL = 0.5 * math.log(0.5 / 0.2) + 0.3 * math.log(0.3 / 0.5) + 0.2 * math.log(0.2 / 0.3)
+
+
+def test_acceptance_losses_at_a_hand_worked_position():
+    logits, one = HAND_Q.log(), torch.ones(1, dtype=torch.bool)
+    assert overlap(logits, HAND_P).item() == pytest.approx(0.7, abs=1e-6)
+    assert tv_loss(logits, HAND_P, one).item() == pytest.approx(0.3, abs=1e-6)
+    assert lk_alpha_loss(logits, HAND_P, one).item() == pytest.approx(-math.log(0.7), abs=1e-6)
+    weight = math.exp(-3.0 * 0.7)
+    assert lk_hybrid_loss(logits, HAND_P, one).item() == pytest.approx(weight * HAND_KL + (1 - weight) * 0.3,
+                                                                      abs=1e-6)
+    assert DRAFTER_LOSSES["ce"] is soft_cross_entropy  # today's loss, by its recipe name
+
+
+def alpha_gradient_by_hand(p, q):
+    """d alpha / d z_j for Q = softmax(z): alpha = sum_x min(p_x, q_x) moves with q_x where q_x < p_x, and
+    dq_x / dz_j = q_x (delta_xj - q_j), so the gradient is [q_j < p_j] q_j - q_j sum_{x: q_x < p_x} q_x."""
+    below = (q < p).double()
+    return below * q - q * (below * q).sum(-1, keepdim=True)
+
+
+def test_acceptance_loss_gradients_against_the_hand_derivation():
+    draft, target = logits_pair(seed=5, shape=(4, 9))
+    p = F.softmax(target.double(), -1)
+    q = F.softmax(draft.double(), -1)
+    alpha, d_alpha = torch.minimum(p, q).sum(-1, keepdim=True), alpha_gradient_by_hand(p, q)
+    weight = torch.exp(-3.0 * alpha)
+    expected = {
+        tv_loss: -d_alpha,
+        lk_alpha_loss: -d_alpha / alpha,
+        # lambda is held fixed (sg[alpha]): KL's gradient q - p, plus TVD's, mixed by it
+        lk_hybrid_loss: weight * (q - p) - (1 - weight) * d_alpha,
+    }
+    for loss, by_hand in expected.items():
+        z = draft.clone().requires_grad_(True)
+        loss(z, p.float(), torch.ones(4, dtype=torch.bool)).backward()
+        # the masked mean over 4 positions divides each position's gradient by 4
+        assert torch.allclose(z.grad.double(), by_hand / 4, atol=1e-6), loss.__name__
+
+
+def test_acceptance_losses_count_only_masked_positions_and_zero_probabilities_are_finite():
+    draft, target = logits_pair(seed=6, shape=(2, 3, 7))
+    p = F.softmax(target, -1)
+    p[0, 0] = torch.nn.functional.one_hot(torch.tensor(2), 7).float()  # a one-hot P: zeros elsewhere
+    mask = torch.tensor([[True, False, True], [False, True, False]])
+    for loss in (tv_loss, lk_alpha_loss, lk_hybrid_loss):
+        z = draft.clone().requires_grad_(True)
+        value = loss(z, p, mask)
+        value.backward()
+        assert torch.isfinite(value) and torch.isfinite(z.grad).all(), loss.__name__
+        assert value.item() == pytest.approx(loss(draft[mask], p[mask], torch.ones(3, dtype=torch.bool)).item())
+        assert (z.grad[~mask] == 0).all(), loss.__name__  # uncounted positions get no gradient
+    # for a one-hot P, -log alpha is the cross-entropy -log Q(y)
+    one = torch.ones(1, dtype=torch.bool)
+    assert lk_alpha_loss(draft[0, :1], p[0, :1], one).item() == pytest.approx(
+        F.cross_entropy(draft[0, :1], torch.tensor([2])).item(), rel=1e-5)

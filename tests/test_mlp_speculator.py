@@ -275,18 +275,33 @@ def test_a_few_steps_reduce_the_loss_and_leave_the_target_alone():
 # -- stage 2 ------------------------------------------------------------------------------------------
 
 
-def test_cut_prompts_takes_windows_of_one_document_of_real_tokens():
+def test_cut_prompts_end_inside_answers_in_windows_of_one_document_of_real_tokens():
+    """Prompts end where answer text (loss_mask) is, so the target continues the assistant: the first at an
+    answer's first token with `length` tokens of its document before it, the next `length` tokens on."""
     ids = torch.arange(24).view(2, 12)
     attention = torch.ones(2, 12, dtype=torch.long)
-    attention[1, 7:] = 0  # row 1 has 7 real tokens
+    attention[1, 9:] = 0  # row 1 has 9 real tokens
+    loss = torch.zeros(2, 12, dtype=torch.long)
+    loss[0, 3:6] = 1  # row 0, document 0 (positions 0-5): the answer is 3-5
+    loss[0, 9:] = 1  # document 1 (6-11): 9-11
+    loss[1, 2:9] = 1  # row 1, one document: 2-8
     seq_ids = torch.tensor([[0] * 6 + [1] * 6, [0] * 12])
-    batch = {"input_ids": ids, "attention_mask": attention, "seq_ids": seq_ids}
-    prompts = cut_prompts(batch, 4, per_row=5)
-    # row 0: windows 0..3 (doc 0), 4..7 crosses documents, 8..11 (doc 1); row 1: 12..15 only
-    assert prompts.tolist() == [[0, 1, 2, 3], [8, 9, 10, 11], [12, 13, 14, 15]]
-    assert cut_prompts(batch, 4, per_row=1).tolist() == [[0, 1, 2, 3], [12, 13, 14, 15]]
-    with pytest.raises(SpecdraftError, match="stage2_prompt_length=13.*longest sample has 12"):
-        cut_prompts(batch, 13, per_row=1)
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss, "seq_ids": seq_ids}
+    # length 2: each answer's first token has 2 before it; then every 2 tokens into the answer
+    assert cut_prompts(batch, 2, per_row=9).tolist() == [[1, 2], [3, 4], [7, 8], [9, 10],
+                                                          [12, 13], [14, 15], [16, 17], [18, 19]]
+    # length 3: row 1's answer starts at 2, with 2 tokens before it: its first prompt ends at 3 (holds token 14)
+    assert cut_prompts(batch, 3, per_row=9).tolist() == [[0, 1, 2], [6, 7, 8], [12, 13, 14], [15, 16, 17]]
+    assert cut_prompts(batch, 3, per_row=1).tolist() == [[0, 1, 2], [12, 13, 14]]
+    # length 4: each of row 0's documents has room for one prompt, ending at its answer's second token
+    assert cut_prompts(batch, 4, per_row=9).tolist() == [[0, 1, 2, 3], [6, 7, 8, 9], [12, 13, 14, 15],
+                                                          [16, 17, 18, 19]]
+    with pytest.raises(SpecdraftError, match="stage2_prompt_length=9 tokens before answer text.*longest sample has 12"):
+        cut_prompts(batch, 9, per_row=1)
+    # text data (every real token a label): windows one after another, as fms-fsdp's, each followed by more of its
+    # document (3-5 ends document 0, 18-20 row 1's text)
+    text = {**batch, "loss_mask": attention}
+    assert cut_prompts(text, 3, per_row=5).tolist() == [[0, 1, 2], [6, 7, 8], [12, 13, 14], [15, 16, 17]]
 
 
 def test_sample_continuations_are_the_targets_cached_samples():
@@ -296,16 +311,16 @@ def test_sample_continuations_are_the_targets_cached_samples():
     target = tiny_target()
     prompts = random_ids(3, 6, seed=8)
     torch.manual_seed(0)
-    ids, hidden = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
+    ids, hidden, logits = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
     assert ids.shape == (3, 16) and hidden.shape == (3, 15, 64) and torch.equal(ids[:, :6], prompts)
     teacher = target(ids)
     assert_close(hidden, final_hidden(teacher)[:, :15], what="cached vs teacher-forced hidden:")
     top10 = teacher.logits[:, 5:15].topk(10, dim=-1).indices
     assert (top10 == ids[:, 6:, None]).any(-1).all()
     torch.manual_seed(0)
-    again, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
+    again, _, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=10))
     assert torch.equal(ids, again)
-    greedy, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=1))
+    greedy, _, _ = sample_continuations(target, prompts, 10, SamplingParams(temperature=1.0, top_k=1))
     for row in range(3):
         assert greedy[row, 6:].tolist() == plain_decode(target, prompts[row:row + 1], max_new_tokens=10).tokens
 
@@ -320,7 +335,8 @@ def test_stage2_trains_on_generated_tokens_with_fms_fsdp_offsets():
                               stage2_new_tokens=9, stage2_prompts_per_row=2)
     batch = make_batch(B=2, T=12)
     torch.manual_seed(0)
-    generated, hidden = stage2_batch(target, batch, cfg)
+    generated, target_out = stage2_batch(target, batch, cfg)
+    hidden = target_out.final_hidden
     P, S = 5, 9
     ids = generated["input_ids"]
     assert ids.shape == (4, P + S) and torch.equal(ids[:, :P], cut_prompts(batch, 5, 2))  # 2 windows per row
@@ -657,6 +673,35 @@ TRAIN_STEPS, STAGE2_START, SAVE_EVERY, KILL_AT_STEP = 9, 4, 3, 8
 TRAIN_DRAFTER = {"family": "mlp_speculator", "n_predict": 2, "inner_dim": 32, "stage2_start_step": STAGE2_START,
                  "stage2_prompt_length": 8, "stage2_new_tokens": 6, "stage2_prompts_per_row": 2}
 # The specdraft CLI (tests/run_probe_train.py, which also applies PROBE_MUTANT) with a kill -9 at the
+def test_stage2_labels_stop_at_the_targets_first_end_of_sequence(monkeypatch):
+    """The target's first end-of-sequence token in a continuation is its last label; states from it on read nothing."""
+    target = tiny_target()
+    cfg = MLPSpeculatorConfig(n_predict=2, inner_dim=32, stage2_start_step=0, stage2_prompt_length=5,
+                              stage2_new_tokens=12, stage2_prompts_per_row=2)
+    batch = make_batch(B=2, T=12)
+    monkeypatch.setattr(FrozenTarget, "stop_token_ids", lambda self: [])
+    torch.manual_seed(0)
+    endless, _ = stage2_batch(target, batch, cfg)
+    ids, P = endless["input_ids"], 5
+    assert endless["loss_mask"][:, P:].all()
+    # a stop token: row 0's 4th generated token, where it first appears there
+    stop = next(t for t in range(P, ids.shape[1]) if t >= P + 3 and ids[0, t] not in ids[0, P:t])
+    monkeypatch.setattr(FrozenTarget, "stop_token_ids", lambda self: [int(ids[0, stop])])
+    torch.manual_seed(0)
+    generated, _ = stage2_batch(target, batch, cfg)
+    assert torch.equal(generated["input_ids"], ids)  # the same draws: only the masks differ
+    for row in range(ids.shape[0]):
+        hits = (ids[row, P:] == ids[0, stop]).nonzero().flatten()
+        end = P + int(hits[0]) if hits.numel() else ids.shape[1]
+        assert generated["loss_mask"][row].nonzero().flatten().tolist() == list(range(P, min(end + 1, ids.shape[1])))
+        assert generated["state_mask"][row].nonzero().flatten().tolist() == list(range(P - 1, end))
+    masks = head_masks(generated["state_mask"], generated["loss_mask"], 2)
+    assert [m[0].nonzero().flatten().max().item() + i + 2 for i, m in enumerate(masks)] == [stop, stop]
+    # the stage-2 default is the target's own: the tiny Llama's generation config ends on id 2
+    monkeypatch.undo()
+    assert target.stop_token_ids() == [2]
+
+
 # PROBE_KILL_AT_CALL-th training loss of the speculator, as the probe family does for its own.
 KILL_HOOK = """
 import os, runpy, signal, sys

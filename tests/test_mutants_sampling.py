@@ -10,16 +10,14 @@ every check must pass; the cheap verify scenarios are also rerun here on the rea
 Run with ``pytest -s`` to see each mutant's statistic and bound.
 """
 
-import __future__
-import inspect
-import sys
-import textwrap
-
 import pytest
+import test_batched
 import test_decode_statistics as decode_stats
 import test_verify
 import test_verify_statistics as verify_stats
+from mutation import mutate
 
+from specdraft.decoding import batched, sources
 from specdraft.decoding import verify as verify_lib
 from specdraft.drafters.eagle_common import EagleDraftSource
 
@@ -40,26 +38,18 @@ MUTANTS = {
     ),
     # ... or the drafted ids themselves left as draft ids.
     "drafts not mapped through d2t": (EagleDraftSource, "_to_target_ids", "mapping[draft_ids]", "draft_ids"),
+    # The draft LM's q handed to verify unwarped (softmax of its logits), while its drafts are drawn from the
+    # warped q: verify sees q without temperature, top-k or top-p.
+    "verify sees q without warping": (
+        sources, "draw_drafts", "return sample(q, generator), q",
+        "return sample(q, generator), torch.softmax(logits.float(), -1)",
+    ),
+    # A batch's bonus token drawn from p at its last draft's position instead of the position after it.
+    "bonus from the last draft's position": (
+        batched, "_verify_rows", "torch.tensor(counts, device=device)], noise)",
+        "torch.tensor(counts, device=device) - 1], noise)",
+    ),
 }  # fmt: skip
-
-
-def mutate(monkeypatch, owner, name: str, original: str, mutated: str) -> None:
-    """Patch ``owner.name`` with its own source, ``original`` replaced by ``mutated``.
-
-    The source must contain ``original`` exactly once, so a refactor of the product code
-    makes this fail loudly instead of silently testing an unchanged function.
-    """
-    function = getattr(owner, name)
-    source = textwrap.dedent(inspect.getsource(function))
-    assert source.count(original) == 1, f"{name} no longer contains {original!r}: update the mutant"
-    module = sys.modules[function.__module__]
-    code = compile(
-        source.replace(original, mutated), inspect.getsourcefile(function), "exec",
-        flags=__future__.annotations.compiler_flag, dont_inherit=True,  # as the module itself is compiled
-    )  # fmt: skip
-    namespace = {}
-    exec(code, module.__dict__, namespace)
-    monkeypatch.setattr(owner, name, namespace[name])
 
 
 def named(checks, fragment: str):
@@ -103,11 +93,15 @@ DECODE_CASES = [
     ("correction from p", "prompt lookup", "draft-favoured"),
     ("q not mapped through d2t", "eagle3", "marginal"),
     ("drafts not mapped through d2t", "eagle3", "marginal"),
+    ("verify sees q without warping", "warped draft LM", "draft-favoured"),
+    ("bonus from the last draft's position", "batched draft LM", "bonus"),
 ]
 DECODE_SCENARIOS = {
     "draft LM": decode_stats.draft_lm_scenario,
     "prompt lookup": decode_stats.prompt_lookup_scenario,
     "eagle3": lambda: decode_stats.eagle_scenario("eagle3"),
+    "warped draft LM": lambda: decode_stats.warped_draft_lm_scenario(),
+    "batched draft LM": lambda: test_batched.bonus_token_scenario(),
 }
 
 

@@ -8,6 +8,7 @@ once per session (spine.built_once) and shared with the tests they check.
 
 import probe_family  # noqa: F401  (registers the "probe" family)
 import pytest
+from mutation import mutate
 from transformers import get_scheduler
 
 from specdraft import features as features_module
@@ -16,7 +17,9 @@ from test_deepspeed import deepspeed_setup, zero3_runs  # noqa: F401  (fixtures)
 from test_distributed import ddp_killed_run  # noqa: F401  (a fixture)
 from test_features import check_a_cache_of_another_target_is_refused
 from test_train import (  # noqa: F401  (data, fresh_accelerate_state, killed_run, target_dir: fixtures)
-    check_bf16_mixed_precision_trains_and_resumes_exactly, check_end_to_end_learns_and_writes_a_self_describing_run,
+    check_bf16_mixed_precision_trains_and_resumes_exactly, check_clipping_bounds_the_gradient_the_optimizer_steps_with,
+    check_end_to_end_learns_and_writes_a_self_describing_run,
+    check_epochs_count_optimizer_steps_of_grad_accumulation_micro_batches,
     check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor,
     check_signal_saves_a_checkpoint_and_exits_0, data, fresh_accelerate_state, killed_run, target_dir)
 
@@ -97,3 +100,27 @@ def test_feature_cache_check_catches_a_key_blind_to_the_target_weights(tmp_path,
     monkeypatch.setattr(features_module, "weights_fingerprint", lambda model: "")
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         check_a_cache_of_another_target_is_refused(tmp_path)
+
+
+def test_epochs_check_catches_steps_per_epoch_blind_to_grad_accumulation(tmp_path, target_dir, monkeypatch):
+    # An epoch counted as one optimizer step per micro-batch: epochs: 1 trains twice the data asked for.
+    monkeypatch.setattr(probe_family.Probe, "calls", 0)
+    mutate(monkeypatch, train_module, "build_run", "len(loader) // tcfg.grad_accumulation", "len(loader)")
+    with pytest.raises(AssertionError, match="epochs: 1 trained 24 micro-batches, not 12"):
+        check_epochs_count_optimizer_steps_of_grad_accumulation_micro_batches(tmp_path, target_dir, 1)
+
+
+CLIPS = """        if accelerator.sync_gradients and tcfg.clip_grad_value:
+            accelerator.clip_grad_value_(run.step_module.parameters(), tcfg.clip_grad_value)
+        if accelerator.sync_gradients and tcfg.max_grad_norm:
+            accelerator.clip_grad_norm_(run.step_module.parameters(), tcfg.max_grad_norm)
+"""
+BACKWARD = "        accelerator.backward(loss)\n"
+
+
+@pytest.mark.parametrize("clip", ["max_grad_norm", "clip_grad_value"])
+def test_clipping_check_catches_a_clip_before_backward(tmp_path, target_dir, data, monkeypatch, clip):
+    # The clip moved above the backward: it clips the first micro-batch's gradient, and the last one's adds unclipped.
+    mutate(monkeypatch, train_module, "train_micro_batch", BACKWARD + CLIPS, CLIPS + BACKWARD)
+    with pytest.raises(AssertionError, match=f"{clip} is 0.001, yet the optimizer stepped with gradients of size"):
+        check_clipping_bounds_the_gradient_the_optimizer_steps_with(tmp_path, target_dir, data, clip)

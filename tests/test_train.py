@@ -9,6 +9,7 @@ import probe_family  # noqa: F401  (registers the "probe" family)
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from specdraft import checkpoint as ckpt_module
 from specdraft import train as train_module
@@ -75,6 +76,60 @@ def test_eval_runs_every_eval_every_steps_and_once_at_the_end(tmp_path, target_d
     run_dir = train(parse_recipe(raw), show_progress=False)
     # max_steps=6: the periodic eval at step 6 is the final one; it is not run twice.
     assert [m["step"] for m in read_metrics(run_dir) if "eval/loss" in m] == eval_steps
+
+
+def check_epochs_count_optimizer_steps_of_grad_accumulation_micro_batches(tmp_path, target_dir, epochs):
+    """``training.epochs`` passes over the data, whatever ``grad_accumulation`` is: 27 chats give 24 training rows,
+    12 micro-batches of 2 per epoch, so with grad_accumulation 2 one epoch is 6 optimizer steps."""
+    data = make_chat_data(tmp_path / "chat.jsonl", n=27)
+    raw = make_recipe(tmp_path, target_dir, data, training={"max_steps": None, "epochs": epochs})
+    assert raw["training"]["grad_accumulation"] == 2
+    probe_family.Probe.calls = 0  # counts training micro-batches
+    run_dir = train(parse_recipe(raw), show_progress=False)
+    state = json.loads((checkpoint_dirs(run_dir)[-1] / "trainer_state.json").read_text())["run"]
+    micro_batches = round(12 * epochs)
+    assert probe_family.Probe.calls == micro_batches, \
+        f"epochs: {epochs} trained {probe_family.Probe.calls} micro-batches, not {micro_batches}"
+    assert state["step"] == micro_batches // 2
+
+
+@pytest.mark.parametrize("epochs", [1, 1.5])
+def test_epochs_count_optimizer_steps_of_grad_accumulation_micro_batches(tmp_path, target_dir, monkeypatch, epochs):
+    monkeypatch.setattr(probe_family.Probe, "calls", 0)
+    check_epochs_count_optimizer_steps_of_grad_accumulation_micro_batches(tmp_path, target_dir, epochs)
+
+
+def check_clipping_bounds_the_gradient_the_optimizer_steps_with(tmp_path, target_dir, data, clip):
+    """At every optimizer step (after grad_accumulation 2 micro-batches), the gradient is within the limit: its
+    norm at most max_grad_norm, or each element at most clip_grad_value. The limits are far below the probe's
+    gradients, so they bind on every step; a clip made before the last backward would leave that micro-batch's
+    gradient unclipped."""
+    limit = 1e-3
+    training = {"max_steps": 4, "max_grad_norm": limit if clip == "max_grad_norm" else 0,
+                "clip_grad_value": limit if clip == "clip_grad_value" else None}
+    seen = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        size = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                if clip == "max_grad_norm" else max(g.abs().max() for g in grads))
+        seen.append(size.item())
+
+    hook = register_optimizer_step_pre_hook(record)
+    try:
+        train(parse_recipe(make_recipe(tmp_path, target_dir, data, training=training)), show_progress=False)
+    finally:
+        hook.remove()
+    assert len(seen) == 4
+    # torch's clip_grad_norm_ scales by limit / (norm + 1e-6): a clipped norm is a hair under the limit.
+    over = [size for size in seen if size > limit * (1 + 1e-5)]
+    assert not over, f"{clip} is {limit}, yet the optimizer stepped with gradients of size {over}"
+    assert min(seen) > 0.9 * limit, f"the limit did not bind: {seen}"  # it clipped, so the test can fail
+
+
+@pytest.mark.parametrize("clip", ["max_grad_norm", "clip_grad_value"])
+def test_clipping_bounds_the_gradient_the_optimizer_steps_with(tmp_path, target_dir, data, clip):
+    check_clipping_bounds_the_gradient_the_optimizer_steps_with(tmp_path, target_dir, data, clip)
 
 
 # 27 chats: 24 train (and 3 eval), 12 micro-batches of 2, so with grad_accumulation 2 an epoch is

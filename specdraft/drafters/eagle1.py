@@ -36,7 +36,8 @@ from torch import nn
 
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
-from ..masks import block_causal_mask, shift_left
+from ..losses import DRAFTER_LOSSES, check_drafter_loss
+from ..masks import block_causal_mask, document_lengths, shift_left
 from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
@@ -61,6 +62,8 @@ class Eagle1Config:
     noise_width: float = 0.2
     noise_ref_len: int | None = 512
     fc_bias: bool = True
+    # L_cls's divergence (losses.DRAFTER_LOSSES): ce, the paper's; tvd, lk_alpha, lk_hybrid aim at acceptance.
+    loss: str = "ce"
 
     # Recommended optimizer for the training loop (reference main.py): AdamW, betas (0.9, 0.95),
     # lr 3e-5, torch's default weight decay 0.01, and gradient *value* clipping at 0.5.
@@ -73,15 +76,17 @@ class Eagle1Config:
             raise SpecdraftError(f"drafter.noise must be 'uniform' or 'none', got {self.noise!r}")
         if self.noise_width < 0 or self.cls_weight < 0:
             raise SpecdraftError("drafter.noise_width and drafter.cls_weight must be >= 0")
+        check_drafter_loss(self.loss)
 
 
 def uniform_feature_noise(features: torch.Tensor, lengths: torch.Tensor, cfg: Eagle1Config) -> torch.Tensor:
-    """The reference's AddUniformNoise: U(-w/2, w/2) scaled by ref_len / (the row's real length;
-    with packing, the packed row's)."""
-    scale = torch.full_like(lengths, 1.0, dtype=features.dtype)
+    """The reference's AddUniformNoise: U(-w/2, w/2) scaled by ref_len / the sample's length. The reference
+    adds it to each sample alone (its length is the sample's); ``lengths`` [B, T] is each position's own
+    document's length (``masks.document_lengths``), so a packed row's samples get their own scales too."""
+    scale = torch.ones_like(lengths, dtype=features.dtype)
     if cfg.noise_ref_len is not None:
         scale = cfg.noise_ref_len / lengths.clamp_min(1).to(features.dtype)
-    return (torch.rand_like(features) - 0.5) * cfg.noise_width * scale[:, None, None]
+    return (torch.rand_like(features) - 0.5) * cfg.noise_width * scale[..., None]
 
 
 def eagle1_needs(cfg: Eagle1Config, target_config) -> TargetNeeds:
@@ -149,7 +154,8 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         features = self.target_features(target_out).to(self.fc.weight.dtype)
         noisy = features
         if self.training and self.config.noise == "uniform":
-            noisy = features + uniform_feature_noise(features, attention.sum(1), self.config)
+            lengths = document_lengths(attention, batch.get("seq_ids"))
+            noisy = features + uniform_feature_noise(features, lengths, self.config)
 
         # Row i reads (f_i, t_{i+1}) and predicts f_{i+1}, hence token t_{i+2}: its target
         # distribution is logits[:, i + 1], weighted by loss_mask[:, i + 2] (the loop's
@@ -165,7 +171,7 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         target_logits = target_out.logits[:, 1 : rows + 1].float()
         loss, regression, classification = eagle1_loss(
             predicted[:, :rows], features[:, 1 : rows + 1], draft_logits, torch.softmax(target_logits, -1),
-            weight, self.config.cls_weight,
+            weight, self.config.cls_weight, DRAFTER_LOSSES[self.config.loss],
         )
         with torch.no_grad():
             hit = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & weight

@@ -14,14 +14,16 @@ Step k at row i stands for position i + k: it reads the token t_{i+k+1} and step
 at row i, sits at RoPE position i + k, and attends the step-0 keys of rows 0..i (derived from
 real target features, block-causal) plus its own chain's keys at row i from steps 1..k. That is
 exactly what it sees when decoding, where step 0 is read from real features and later steps
-extend the KV cache. (The EAGLE-3 reference and SpecForge additionally hide step-0 keys
-i-k+1..i from step k, which decoding does not do: EAGLE issue #247, SpecForge PR #245. We follow
-decoding, and ``tests/test_eagle_decoding.py`` checks the two agree.)
+extend the KV cache; ``tests/test_eagle_decoding.py`` checks the two agree. The EAGLE-3 reference and
+SpecForge once also hid step-0 keys i-k+1..i from step k, which decoding does not do (EAGLE issue
+#247); both removed that shift (EAGLE 09b1628, SpecForge 7286dc5, PR #245), and at their HEADs they
+mask as specdraft does.
 
 Loss: step k's soft cross-entropy against the target's distribution over the draft vocabulary,
 
     L = sum_k step_weight_decay^k * CE(p_target, q_k)     (0.8^k, as the reference trainer)
 
+or, with ``drafter.loss``, an acceptance-aimed loss in CE's place (``losses.DRAFTER_LOSSES``),
 where p_target is the softmax of the target's logits at the draft vocabulary's rows only
 (``eagle_losses.draft_vocab_probs``; the target never forms its V-wide logits for this family), and
 a position counts when its next token is an answer token the draft vocabulary holds. The draft's LM
@@ -55,7 +57,7 @@ from ..chain_metrics import chain_accuracy_metrics
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
-from ..losses import soft_cross_entropy
+from ..losses import DRAFTER_LOSSES, check_drafter_loss
 from ..masks import block_causal_mask, shift_left
 from .eagle_common import (
     BorrowsTargetWeights,
@@ -81,11 +83,16 @@ class Eagle3Config:
     # Reduced draft vocabulary (the most frequent assistant tokens). None, or >= the target's
     # vocabulary size, means the full vocabulary with the identity map.
     draft_vocab_size: int | None = 32000
+    # Each step's loss against p (losses.DRAFTER_LOSSES): ce, the paper's; tvd, lk_alpha, lk_hybrid aim at acceptance.
+    loss: str = "ce"
 
-    # Recommended optimizer (EAGLE-3 reference ds_config.json): AdamW betas (0.9, 0.95), peak lr 5e-5,
-    # no weight decay, gradient-norm clipping at 0.5.
+    # The EAGLE-3 reference's optimizer (eagle/traineagle3/ds_config.json): AdamW betas (0.9, 0.95), no weight
+    # decay, gradient-norm clipping at 0.5, and DeepSpeed's WarmupDecayLR: a warmup to the peak lr 5e-5 over
+    # 12000 steps, then a linear decay to 0 at the last step (the "linear" schedule; DeepSpeed's warmup curve
+    # is logarithmic, specdraft's is linear). Recipes shorter than 12000 steps set their own warmup_steps.
     optimizer_defaults: ClassVar[dict] = {
-        "lr": 5e-5, "betas": (0.9, 0.95), "weight_decay": 0.0, "max_grad_norm": 0.5,
+        "lr": 5e-5, "betas": (0.9, 0.95), "weight_decay": 0.0, "max_grad_norm": 0.5, "schedule": "linear",
+        "warmup_steps": 12000,
     }
 
     def __post_init__(self):
@@ -95,6 +102,7 @@ class Eagle3Config:
             raise SpecdraftError(f"drafter.step_weight_decay must be > 0, got {self.step_weight_decay} (default 0.8)")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecdraftError("drafter.draft_vocab_size must be >= 1, or null for the full vocabulary")
+        check_drafter_loss(self.loss)
 
     def uses_reduced_vocab(self, target_vocab_size: int) -> bool:
         """Whether a DraftVocab must be built from the data (else the full vocabulary is used)."""
@@ -264,7 +272,7 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
             weight = weight & attention[:, :rows] & attention[:, k + 2 :]
             if seq_ids is not None:  # packing: the predicted token must be in row i's document
                 weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
-            losses.append(soft_cross_entropy(logits, step_target, weight))
+            losses.append(DRAFTER_LOSSES[self.config.loss](logits, step_target, weight))
             with torch.no_grad():  # the target's top-1 within the draft vocabulary
                 correct.append(logits.argmax(-1) == step_target.argmax(-1))
                 counted.append(weight)

@@ -16,12 +16,14 @@ def eagle1_loss(
     target_probs: torch.Tensor,  # [..., V] p_{i+2} = softmax(LM_Head(f_{i+1}))
     mask: torch.Tensor,  # [...]
     cls_weight: float = 0.1,
+    classification_loss=soft_cross_entropy,  # (draft_logits, target_probs, mask) -> scalar: losses.DRAFTER_LOSSES
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-1 (Li et al. 2024, arXiv 2401.15077) Sec. 4.2: L = L_reg + w_cls * L_cls, with
     L_reg = SmoothL1(f_{i+1}, f_hat_{i+1}) (averaged over the hidden dim, as the reference code does),
-    L_cls = CE(p_{i+2}, p_hat_{i+2}) and w_cls = 0.1. Returns (L, L_reg, L_cls)."""
+    L_cls = CE(p_{i+2}, p_hat_{i+2}) and w_cls = 0.1; ``classification_loss`` may replace the CE by an
+    acceptance-aimed loss (``drafter.loss``). Returns (L, L_reg, L_cls)."""
     regression = smooth_l1(predicted_feature, target_feature, mask)
-    classification = soft_cross_entropy(draft_logits, target_probs, mask)
+    classification = classification_loss(draft_logits, target_probs, mask)
     return regression + cls_weight * classification, regression, classification
 
 

@@ -73,7 +73,7 @@ from ..decoding.sampling import draw_drafts
 from ..decoding.trees import check_tree_request, expand_static_tree
 from ..dtypes import export_dtype
 from ..errors import SpecdraftError
-from ..losses import soft_cross_entropy
+from ..losses import DRAFTER_LOSSES, check_drafter_loss, soft_cross_entropy
 from ..optim import make_scheduler
 from .folder import (
     check_same_target,
@@ -91,6 +91,9 @@ class MedusaConfig:
     num_layers: int = 1  # distinct ResBlocks per head
     loss_decay: float = 0.8  # lambda_k = loss_decay^k
     distill: bool = False  # soft labels: the target's distribution at the same offset, not the data's token
+    # Against soft labels (distill: true), ce or an acceptance-aimed loss (losses.DRAFTER_LOSSES: tvd, lk_alpha,
+    # lk_hybrid); hard labels (the data's tokens) train on ce.
+    loss: str = "ce"
     resblock_bias: bool = True  # the reference ResBlock's Linear has a bias
     # A reduced draft vocabulary: each head predicts only the N most frequent answer tokens (vLLM's
     # truncated_vocab_size + token_map). None: the target's whole vocabulary, as in the paper.
@@ -116,6 +119,11 @@ class MedusaConfig:
             raise SpecdraftError("drafter.draft_vocab_size must be >= 1, or null for the target's whole vocabulary")
         if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio < 1.0:
             raise SpecdraftError(f"drafter.warmup_ratio must be in [0, 1) or null, got {self.warmup_ratio}")
+        check_drafter_loss(self.loss)
+        if self.loss != "ce" and not self.distill:
+            raise SpecdraftError(f"drafter.loss: {self.loss} compares each head's distribution with the target's, and "
+                                 "the heads learn the data's tokens: set drafter.distill: true (the target's "
+                                 "distribution as soft labels), or loss: ce")
 
     def reduces_vocab(self, target_vocab_size: int) -> bool:
         return self.draft_vocab_size is not None and self.draft_vocab_size < target_vocab_size
@@ -262,7 +270,8 @@ class MedusaDrafter(nn.Module):
                 in_top_k.append((top_k == label[:, None]).any(-1).float().sum() / max(label.numel(), 1))
 
         loss, per_head = medusa_loss(logits_per_head, targets_per_head, head_weights(len(self.heads),
-                                                                                     self.config.loss_decay))
+                                                                                     self.config.loss_decay),
+                                     DRAFTER_LOSSES[self.config.loss])
         metrics = {f"loss_{k}": value.detach() for k, value in enumerate(per_head)}
         metrics.update(chain_accuracy_metrics(correct, counted))  # acc_k (top-1), cond_acc_k, sim_accept_len
         metrics.update({f"top{self.config.accuracy_top_k}_{k}": value for k, value in enumerate(in_top_k)})
@@ -301,18 +310,19 @@ def predicted_positions(batch: dict[str, torch.Tensor], offset: int) -> torch.Te
     return mask
 
 
-def medusa_loss(head_logits: list[torch.Tensor], head_targets: list[torch.Tensor],
-                weights: list[float]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def medusa_loss(head_logits: list[torch.Tensor], head_targets: list[torch.Tensor], weights: list[float],
+                soft_loss=soft_cross_entropy) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """L = sum_k w_k CE_k (Sec. 2.2.1) and the CE_k.
 
     ``head_logits[k]`` [M_k, N]: head k's logits at the M_k counted positions. ``head_targets[k]``:
     the labels there, [M_k] long (hard: CE_k = mean -log q_k(y)), or [M_k, N] probabilities
-    (soft: CE_k = mean -sum_x p(x) log q_k(x)). A head with no counted position has CE_k = 0.
+    (soft: CE_k = mean -sum_x p(x) log q_k(x), or ``soft_loss`` in its place, an acceptance-aimed loss of
+    ``losses.DRAFTER_LOSSES``). A head with no counted position has CE_k = 0.
     """
     per_head = []
     for logits, target in zip(head_logits, head_targets):
         if target.is_floating_point():
-            ce = soft_cross_entropy(logits, target, torch.ones(logits.shape[:-1], device=logits.device))
+            ce = soft_loss(logits, target, torch.ones(logits.shape[:-1], device=logits.device))
         else:
             ce = F.cross_entropy(logits.float(), target, reduction="sum") / max(target.numel(), 1)
         per_head.append(ce)

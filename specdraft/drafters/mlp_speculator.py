@@ -76,7 +76,7 @@ from ..contract import (
 from ..decoding.sampling import SamplingParams, draw_drafts, logits_to_probs, sample
 from ..decoding.trees import check_tree_request, expand_static_tree
 from ..errors import SpecdraftError
-from ..losses import masked_mean
+from ..losses import DRAFTER_LOSSES, check_drafter_loss, masked_mean
 from ..masks import shift_left
 from ..optim import make_scheduler
 from .folder import read_drafter_folder, write_drafter_folder
@@ -121,6 +121,9 @@ class MLPSpeculatorConfig:
     stage2_prompts_per_row: int | None = None  # prompts cut from each batch row, at most (fms: batch growth)
     stage2_temperature: float | None = None
     stage2_top_k: int | None = None
+    # Each head's loss (losses.DRAFTER_LOSSES): ce on the data's (stage 2: the target's sampled) tokens, fms-fsdp's;
+    # tvd, lk_alpha or lk_hybrid against the target's distribution there (the target then computes its logits).
+    loss: str = "ce"
 
     # fms-fsdp speculator/train_speculator.py: AdamW betas (0.9, 0.95), weight decay 0.1, gradient-norm
     # clipping at 1.0 (config grad_clip_thresh), lr 1e-3 (scripts/train_speculator.sh), cosine to 10%.
@@ -149,6 +152,7 @@ class MLPSpeculatorConfig:
         if not 1 <= self.n_candidates <= math.prod(top_k):
             raise SpecdraftError(f"drafter.n_candidates must be between 1 and the tree's {math.prod(top_k)} "
                                  f"candidates (the product of top_k_tokens_per_head {top_k}), got {self.n_candidates}")
+        check_drafter_loss(self.loss)
         given = [name for name in STAGE2_FIELDS if getattr(self, name) is not None]
         if self.stage2_start_step is None and given:
             raise SpecdraftError(
@@ -293,6 +297,23 @@ def per_head_cross_entropy(logits: list[torch.Tensor], ids: torch.Tensor, masks:
     return losses
 
 
+def target_probs_of(target_out: TargetOutputs) -> torch.Tensor:
+    """The target's next-token distributions [B, T, V] (position t: of token t+1), for an acceptance-aimed loss."""
+    if target_out.logits is None or target_out.last_only:
+        raise SpecdraftError("drafter.loss other than ce compares each head with the target's distribution, and these "
+                             "target outputs have no logits at every position: make the example with drafter.prepare "
+                             "(it asks for them), or rebuild the feature cache for this recipe")
+    return torch.softmax(target_out.logits.float(), dim=-1)
+
+
+def per_head_soft_loss(logits: list[torch.Tensor], target_probs: torch.Tensor, masks: list[torch.Tensor],
+                       loss) -> list[torch.Tensor]:
+    """Head i at t against the target's distribution of token t+i+2 (its logits at t+i+1), by ``loss``
+    (losses.DRAFTER_LOSSES): what an acceptance-aimed ``drafter.loss`` trains on, in place of the label's CE."""
+    return [loss(head_logits, F.pad(target_probs[:, i + 1 :], (0, 0, 0, i + 1)), mask)
+            for i, (head_logits, mask) in enumerate(zip(logits, masks))]
+
+
 def speculator_loss(per_head: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     """L = sum_i w_i CE_i (fms-fsdp: w_i = 1)."""
     return sum(w * loss for w, loss in zip(weights, per_head))
@@ -314,52 +335,70 @@ def final_hidden_of(target_out: TargetOutputs) -> torch.Tensor:
 
 
 def cut_prompts(batch: dict[str, torch.Tensor], length: int, per_row: int) -> torch.Tensor:
-    """[N, length] prompts: the first ``per_row`` aligned windows of each row that hold ``length``
-    real tokens of one document (fms-fsdp reshapes each row's first per_row * length tokens)."""
+    """[N, length] prompts that end inside answers, so the target continues an assistant turn (not the user's).
+
+    An answer is a run of ``loss_mask`` tokens. Its first prompt is the ``length`` real tokens of its document
+    before its first token, or, where the document has fewer before it, before the first of its tokens that has
+    ``length`` (the prompt then holds the answer's start); later prompts end ``length``, ``2 length``, ... tokens
+    further into the answer. The first ``per_row`` of each row are taken. fms-fsdp reshapes each row's first
+    per_row * length tokens: on its pretraining text any window will do, but on chat rows those are the system
+    and user turns. On text data (``loss_mask`` on every real token) the prompts are windows one after another, as
+    fms-fsdp's, each followed by more of its document."""
     ids, real = batch["input_ids"], batch["attention_mask"].bool()
     B, T = ids.shape
-    W = T // length
-    windows = ids[:, : W * length].reshape(B, W, length)
-    usable = real[:, : W * length].reshape(B, W, length).all(-1)
-    if "seq_ids" in batch:
-        docs = batch["seq_ids"][:, : W * length].reshape(B, W, length)
-        usable = usable & (docs == docs[..., :1]).all(-1)
-    usable = usable & (usable.cumsum(1) <= per_row)
-    prompts = windows[usable]
-    if prompts.shape[0] == 0:
+    answer = real & batch["loss_mask"].bool()
+    docs = batch["seq_ids"] if "seq_ids" in batch else torch.zeros_like(ids)
+    position = torch.arange(T, device=ids.device).expand(B, T)
+    # where each stretch of real tokens of one document starts
+    breaks = ~real | (docs != F.pad(docs, (1, 0), value=-1)[:, :-1])
+    stretch_start = torch.where(breaks, position, 0).cummax(1).values
+    # e ends a prompt (the first generated token takes position e): e is answer text with `length` tokens before it
+    fits = answer & (position - stretch_start >= length)
+    first = fits & ~F.pad(fits, (1, 0), value=False)[:, :-1]  # an answer's first such e
+    answer_first = torch.where(first, position, 0).cummax(1).values
+    ends = fits & ((position - answer_first) % length == 0)
+    ends = ends & (ends.cumsum(1) <= per_row)
+    rows, end = ends.nonzero(as_tuple=True)
+    if rows.numel() == 0:
         longest = int(real.sum(1).max())
         raise SpecdraftError(
-            f"stage 2 found no prompt of drafter.stage2_prompt_length={length} tokens in this micro-batch (its "
-            f"longest sample has {longest}): lower stage2_prompt_length below your samples' length")
-    return prompts
+            f"stage 2 found no prompt of drafter.stage2_prompt_length={length} tokens before answer text (loss_mask) "
+            f"in this micro-batch (its longest sample has {longest} tokens): lower stage2_prompt_length below the "
+            "tokens your samples have before and into their answers")
+    return ids[rows[:, None], end[:, None] - length + torch.arange(length, device=ids.device)]
 
 
 @torch.no_grad()
-def sample_continuations(target, prompts: torch.Tensor, new_tokens: int, params) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_continuations(target, prompts: torch.Tensor, new_tokens: int, params,
+                         keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The target continues ``prompts`` [N, P] by ``new_tokens`` sampled tokens, batched and KV-cached.
 
-    Returns ids [N, P + S] and the target's final hidden state at every position but the last
+    Returns ids [N, P + S], the target's final hidden state at every position but the last
     [N, P + S - 1, H] (the last token is never run through the target; nothing is predicted from
-    it). Draws use torch's global RNG, which checkpoints restore: a resumed run generates the same.
+    it), and with ``keep_logits`` its (unwarped) logits at positions P - 1 .. P + S - 2 [N, S, V], the
+    distributions the generated tokens were drawn from (else None). Draws use torch's global RNG, which
+    checkpoints restore: a resumed run generates the same.
     """
     # lazy: keeps the drafters importable without the decoder
 
 
     cache = DynamicCache(config=target.config)
     out = target(prompts, past_key_values=cache, use_cache=True, logits="last")
-    hidden, tokens = [final_hidden_of(out)], []
+    hidden, tokens, logits = [final_hidden_of(out)], [], []
     for step in range(new_tokens):
+        if keep_logits:
+            logits.append(out.logits[:, -1:])
         probs = logits_to_probs(out.logits[:, -1], params)  # warped as the target's p is when decoding
         tokens.append(sample(probs)[:, None])
         if step + 1 < new_tokens:
             out = target(tokens[-1], past_key_values=cache, use_cache=True, logits="last")
             hidden.append(final_hidden_of(out))
-    return torch.cat([prompts, *tokens], dim=1), torch.cat(hidden, dim=1)
+    return torch.cat([prompts, *tokens], dim=1), torch.cat(hidden, dim=1), torch.cat(logits, 1) if logits else None
 
 
 def mlp_speculator_needs(cfg: MLPSpeculatorConfig, target_config) -> TargetNeeds:
-    """The final hidden state and no logits (the heads learn the data's, or the target's sampled,
-    tokens). Checked here, before any weight loads: a stage-2 prompt plus its continuation must fit
+    """The final hidden state, and no logits with ``loss: ce`` (the heads learn the data's, or the target's
+    sampled, tokens); an acceptance-aimed loss compares with the target's distribution: the full logits. Checked here, before any weight loads: a stage-2 prompt plus its continuation must fit
     the target's context."""
     if cfg.stage2_start_step is not None:
         s = cfg.stage2
@@ -370,23 +409,32 @@ def mlp_speculator_needs(cfg: MLPSpeculatorConfig, target_config) -> TargetNeeds
                 f"stage 2 generates sequences of stage2_prompt_length + stage2_new_tokens = {s['stage2_prompt_length']} "
                 f"+ {s['stage2_new_tokens']} = {total} tokens, longer than the target's context of {context} "
                 "(max_position_embeddings): lower drafter.stage2_new_tokens or drafter.stage2_prompt_length")
-    return TargetNeeds(logits="none", final_hidden=True)
+    return TargetNeeds(logits="none" if cfg.loss == "ce" else "full", final_hidden=True)
 
 
-def stage2_batch(target, batch: dict[str, torch.Tensor], cfg: MLPSpeculatorConfig) -> tuple[dict, torch.Tensor]:
-    """Prompts cut from ``batch``, continued by the target: (the new batch, its hidden states [N, T, H]).
+def stage2_batch(target, batch: dict[str, torch.Tensor], cfg: MLPSpeculatorConfig) -> tuple[dict, TargetOutputs]:
+    """Prompts cut from ``batch``, continued by the target: (the new batch, the target's outputs over it: its
+    hidden states [N, T, H], and its logits [N, T, V] where ``loss`` compares with its distribution).
 
     fms-fsdp stage 2: the heads read the states from the last prompt position on (the one that
-    predicted the first generated token), so every input token and label is the target's own."""
+    predicted the first generated token), so every input token and label is the target's own. Unlike
+    fms-fsdp (pretraining text, no end), labels stop at the first end-of-sequence token the target emits."""
     s = cfg.stage2
     P = s["stage2_prompt_length"]
     prompts = cut_prompts(batch, P, s["stage2_prompts_per_row"])
     params = SamplingParams(temperature=float(s["stage2_temperature"]), top_k=s["stage2_top_k"])
-    ids, hidden = sample_continuations(target, prompts, s["stage2_new_tokens"], params)
+    ids, hidden, logits = sample_continuations(target, prompts, s["stage2_new_tokens"], params,
+                                               keep_logits=cfg.loss != "ce")
     hidden = F.pad(hidden, (0, 0, 0, 1))  # the last position's state: no label, never counted
+    if logits is not None:  # at every position, as a teacher-forced forward gives them (the prompt's never read)
+        logits = F.pad(logits, (0, 0, P - 1, 1))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    generated = batch_of(ids, loss_mask=positions >= P, state_mask=positions >= P - 1)
-    return generated, hidden
+    # The answer ends at the target's first end-of-sequence token: it is a label, nothing after it is.
+    stop = torch.isin(ids, torch.tensor(target.stop_token_ids(), dtype=ids.dtype, device=ids.device)) & (positions >= P)
+    first_stop = torch.where(stop, positions, ids.shape[1]).amin(1, keepdim=True)
+    generated = batch_of(ids, loss_mask=(positions >= P) & (positions <= first_stop),
+                         state_mask=(positions >= P - 1) & (positions < first_stop))
+    return generated, TargetOutputs(logits=logits, final_hidden=hidden)
 
 
 def batch_of(ids: torch.Tensor, loss_mask: torch.Tensor, state_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -454,8 +502,7 @@ class MLPSpeculator(nn.Module):
         """Stage 1: the target's hidden states over the data (or the feature cache). Stage 2 (training
         steps after stage2_start_step; held-out batches stay on stage 1): sequences the target samples."""
         if context.training and self.config.stage_at(context.step) == 2:
-            generated, hidden = stage2_batch(context.target, batch, self.config)
-            return Example(generated, TargetOutputs(final_hidden=hidden))
+            return Example(*stage2_batch(context.target, batch, self.config))
         return target_example(batch, context, self.needs)
 
     def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
@@ -465,7 +512,10 @@ class MLPSpeculator(nn.Module):
         state_ok = batch["state_mask"].bool() if "state_mask" in batch else real
         masks = head_masks(state_ok, real & batch["loss_mask"].bool(), self.config.n_predict, batch.get("seq_ids"))
         logits = self.speculator(final_hidden_of(target_out), ids)
-        per_head = per_head_cross_entropy(logits, ids, masks)
+        if self.config.loss == "ce":
+            per_head = per_head_cross_entropy(logits, ids, masks)
+        else:
+            per_head = per_head_soft_loss(logits, target_probs_of(target_out), masks, DRAFTER_LOSSES[self.config.loss])
         loss = speculator_loss(per_head, self.config.weights)
         with torch.no_grad():
             correct = [head_logits.argmax(-1) == shift_left(ids, i + 2) for i, head_logits in enumerate(logits)]

@@ -46,7 +46,7 @@ from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.evaluation.verify_cost import forward_keys, measure_forward_costs
-from specdraft.target import FrozenTarget, resolve_target_path
+from specdraft.target import FrozenTarget, resolve_target_path, stop_token_ids
 from specdraft.target_fingerprint import check_target
 
 PLAIN = "plain"
@@ -309,11 +309,7 @@ def _instantiate(source):
 
 def _stop_ids(target, tokenizer) -> list[int]:
     """EOS from the tokenizer and the target's generation config (which may list several)."""
-    ids = {tokenizer.eos_token_id}
-    generation_config = getattr(getattr(target, "model", None), "generation_config", None)
-    eos = getattr(generation_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos])
-    return sorted(i for i in ids if i is not None)
+    return stop_token_ids(getattr(target, "model", None), tokenizer)
 
 
 def _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device, batch_size,

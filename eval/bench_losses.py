@@ -1,0 +1,105 @@
+"""Benchmark: which drafter.loss wins tau, per family, on one target at one step budget.
+
+    python eval/bench_losses.py --target toy --families eagle3 eagle1 --steps 150 --train-jobs 2
+
+  1. data      as eval/bench_families.py: the target's own answers to the training prompts (cached), and to a
+               held-out slice (the runs' held-out loss); eval prompts from Spec-Bench's questions.
+  2. train     recipes/<target>-<family>.yaml once per loss (losses.DRAFTER_LOSSES: ce, tvd, lk_alpha,
+               lk_hybrid), the same init, data and steps, each in a fresh 1-thread process. Medusa-1 trains
+               on soft labels (drafter.distill=true) in every cell, ce included, so only the loss differs.
+  3. evaluate  one `evaluate` per temperature (0 and 1), every run plus prompt lookup, chain K=5: tau and
+               alpha measured; the winner per family and temperature is printed.
+
+Writes WORK/results.json and WORK/report.md, and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from bench_eagle import K, evaluate_at_temperatures, markdown_table
+from bench_families import RECIPE_PREFIX, add_grid_arguments, grid_data, recipe_for, train_runs
+
+from specdraft.drafters import load_drafter
+from specdraft.evaluation.suites import prompt_token_ids
+from specdraft.losses import DRAFTER_LOSSES
+from specdraft.target import FrozenTarget, resolve_target_path
+
+FAMILIES = ("eagle3", "eagle1", "medusa1", "mlp_speculator")
+FAMILY_OVERRIDES = {"medusa1": ["drafter.distill=true"]}
+
+
+def grid_table(results: dict, families: list[str]) -> str:
+    """family x loss: tau (alpha measured) per temperature."""
+    lines = ["| family | loss | " + " | ".join(f"T={t:g}" for t in results) + " |",
+             "|---|---" + "|---:" * len(results) + "|"]
+    for family in families:
+        for loss in DRAFTER_LOSSES:
+            cells = []
+            for result in results.values():
+                overall = result["methods"].get(f"{family}-{loss}", {}).get("overall")
+                cells.append("-" if not overall or overall["acceptance_length"] is None else
+                             f"{overall['acceptance_length']:.3f} ({overall['alpha_measured']:.3f})")
+            lines.append(f"| {family} | {loss} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_grid_arguments(parser, work="bench-losses", steps=150)
+    parser.add_argument("--families", nargs="+", default=["eagle3", "eagle1"], choices=FAMILIES)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    work = Path(args.work)
+    target_dir = Path(resolve_target_path(args.target, "float32"))
+    prefix = RECIPE_PREFIX.get(args.target, target_dir.name)
+    data = grid_data(args, target_dir, work)
+    runs = {}
+    for family in args.families:
+        recipe = recipe_for(prefix, family)
+        if recipe is None:
+            sys.exit(f"no recipe for {family} on {args.target}: add recipes/{prefix}-{family}.yaml")
+        for loss in DRAFTER_LOSSES:
+            runs[f"{family}-{loss}"] = (family, recipe, data.overrides + FAMILY_OVERRIDES.get(family, []) +
+                                        [f"drafter.loss={loss}"])
+    trained = train_runs(runs, work, args.train_jobs, [data.answers, data.heldout_answers])
+
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    fits = [p for p in data.eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens
+            < target.config.max_position_embeddings]
+    drafters = {name: load_drafter(Path(run["drafter"]), target).eval() for name, run in trained.items()}
+    results = evaluate_at_temperatures(target, drafters, fits, args.max_new_tokens, work / "eval")
+
+    lines = [(f"## drafter.loss on {args.target} ({len(fits)} prompts from {data.source}, K={K}, {args.steps} "
+              f"steps per run, max {args.max_new_tokens} new tokens, float32, 1 thread)"), "",
+             f"`python {' '.join(sys.argv)}`", "", f"answers: {data.answer_record}", "",
+             "### tau (alpha measured)", "", grid_table(results, args.families), ""]
+    winners = {}
+    for temperature, result in results.items():
+        for family in args.families:
+            taus = {loss: result["methods"][f"{family}-{loss}"]["overall"]["acceptance_length"] or 0
+                    for loss in DRAFTER_LOSSES}
+            best = max(taus, key=taus.get)
+            winners[f"{family} T={temperature:g}"] = best
+            lines.append(f"**{family}, T={temperature:g}: {best}** (tau {taus[best]:.3f}; "
+                         + ", ".join(f"{loss} {tau:.3f}" for loss, tau in taus.items()) + ")")
+        lines += ["", f"### temperature {temperature:g}", "", markdown_table(result), ""]
+    lines += ["### training", "", "| run | minutes | tokens | final held-out acc_0 |", "|---|---:|---:|---:|"]
+    for name, run in trained.items():
+        held_out = run["final_metrics"].get("eval/acc_0")  # step-1 accuracy: comparable across losses
+        lines.append(f"| {name} | {run['seconds'] / 60:.1f} | {run['tokens']} | "
+                     f"{'-' if held_out is None else format(held_out, '.4f')} |")
+    markdown = "\n".join(lines)
+    (work / "report.md").write_text(markdown + "\n")
+    (work / "results.json").write_text(json.dumps({"args": vars(args), "training": trained, "winners": winners,
+                                                   "eval": {str(t): r for t, r in results.items()}}, indent=1))
+    print("\n" + markdown)
+
+
+if __name__ == "__main__":
+    main()
