@@ -17,7 +17,7 @@ import test_verify
 import test_verify_statistics as verify_stats
 from mutation import mutate
 
-from specdraft.decoding import batched, sources
+from specdraft.decoding import sources, speculative
 from specdraft.decoding import verify as verify_lib
 from specdraft.drafters.eagle_common import EagleDraftSource
 
@@ -46,8 +46,8 @@ MUTANTS = {
     ),
     # A batch's bonus token drawn from p at its last draft's position instead of the position after it.
     "bonus from the last draft's position": (
-        batched, "_verify_rows", "torch.tensor(counts, device=device)], noise)",
-        "torch.tensor(counts, device=device) - 1], noise)",
+        speculative, "_verify_chains", "p[rows_t, torch.tensor(counts, device=device)]",
+        "p[rows_t, torch.tensor(counts, device=device) - 1]",
     ),
 }  # fmt: skip
 
