@@ -142,31 +142,27 @@ class DFlashConfig:
 
 def zlab_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """z-lab's build_target_layer_ids (SGLang's copy in srt/speculative/dflash_utils.py): the layers whose
-    outputs are read."""
+    outputs are read. (SGLang refuses targets under 4 layers for more than one feature; the formula's ids are
+    returned here, and a target refuses ids it does not have when it is asked to tap them.)"""
     if num_features == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
-    if end < start:
-        raise SpecdraftError(f"DFlash's default taps need a target of >= 4 layers, this one has {num_target_layers}: "
-                             "set target.taps to the layers to read")
     return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
 
 
 def dflash_default_taps(num_target_layers: int, num_features: int) -> tuple[int, ...]:
     """Our taps (inputs of layers) for z-lab's layer ids (outputs of layers): id + 1."""
-    taps = tuple(i + 1 for i in zlab_layer_ids(num_target_layers, num_features))
-    if len(set(taps)) != len(taps):
-        raise SpecdraftError(f"DFlash's default taps for {num_features} features of a {num_target_layers}-layer target "
-                             f"repeat a layer ({list(taps)}): lower drafter.num_taps, or set target.taps")
-    return taps
+    return tuple(i + 1 for i in zlab_layer_ids(num_target_layers, num_features))
 
 
-def check_taps_in_range(taps, num_target_layers: int) -> None:
+def check_taps(taps, num_target_layers: int) -> None:
+    """Distinct inputs of layers the target has, with DFlash's conventions in the message."""
     bad = [t for t in taps if not 0 <= t < num_target_layers]
-    if bad:
-        raise SpecdraftError(f"DFlash taps {list(taps)} are out of range for a {num_target_layers}-layer target: a tap "
-                             f"is the input of a layer, 0..{num_target_layers - 1} (z-lab's layer id + 1); fix "
-                             "target.taps, or use target.taps: auto")
+    if bad or len(set(taps)) != len(taps):
+        problem = "are out of range" if bad else "repeat a layer"
+        raise SpecdraftError(f"DFlash taps {list(taps)} {problem} for a {num_target_layers}-layer target: each tap is "
+                             f"the input of a distinct layer, 0..{num_target_layers - 1} (z-lab's layer id + 1); set "
+                             "target.taps, or drafter.num_taps for fewer default features")
 
 
 def check_against_target(cfg: DFlashConfig, target_config) -> None:
@@ -184,9 +180,7 @@ def check_against_target(cfg: DFlashConfig, target_config) -> None:
 def dflash_needs(cfg: DFlashConfig, target_config) -> TargetNeeds:
     """The target's logits at every position (the loss distils them) and the tapped features."""
     check_against_target(cfg, target_config)
-    taps = dflash_default_taps(target_config.num_hidden_layers, cfg.taps_wanted)
-    check_taps_in_range(taps, target_config.num_hidden_layers)
-    return TargetNeeds(logits="full", taps=taps)
+    return TargetNeeds(logits="full", taps=dflash_default_taps(target_config.num_hidden_layers, cfg.taps_wanted))
 
 
 def resolve_mask_token_id(cfg: DFlashConfig, target) -> int:
@@ -338,7 +332,9 @@ class DFlashDrafter(nn.Module):
         N = max(min(self.config.num_anchors, int(counts.max())), 1)  # one host sync per micro-batch
         noise = torch.rand(valid.shape, generator=generator, device="cpu").to(valid.device)
         noise = torch.where(valid, noise, torch.full_like(noise, 2.0))  # invalid positions sort last
-        anchors = noise.argsort(dim=1)[:, :N].sort(dim=1).values
+        chosen = noise.argsort(dim=1)[:, :N]
+        chosen = torch.where(valid.gather(1, chosen), chosen, valid.shape[1])  # invalid picks sort last
+        anchors = chosen.sort(dim=1).values
         keep = torch.arange(N, device=valid.device)[None] < counts[:, None]
         return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
 
@@ -499,7 +495,7 @@ def build_dflash(target, cfg: DFlashConfig, draft_vocab=None, taps: tuple[int, .
     check_target_layers(target)
     check_against_target(cfg, target.config)
     taps = tuple(taps or target.taps or dflash_default_taps(target.num_layers, cfg.taps_wanted))
-    check_taps_in_range(taps, target.num_layers)
+    check_taps(taps, target.num_layers)
     cfg = replace(cfg, mask_token_id=resolve_mask_token_id(cfg, target))
     if cfg.mask_token_id >= target.vocab_size:
         raise SpecdraftError(f"drafter.mask_token_id {cfg.mask_token_id} is outside the target's vocabulary of "
