@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
+from test_mlp_speculator import KILL_HOOK as MLP_KILL_HOOK
 from tiny import seeded_init_
 from transformers import LlamaConfig, Qwen3Config
 
@@ -322,10 +323,10 @@ def test_anchors_are_distinct_answer_positions_drawn_at_random():
 def test_a_few_steps_reduce_the_loss_and_leave_the_target_alone():
     target = tiny_target()
     before = {n: t.clone() for n, t in target.model.state_dict().items()}
+    torch.manual_seed(0)
     drafter = dflash(target, randomize=False)
     batch = batch_of(random_ids(2, 40, seed=2))
     optimizer = torch.optim.AdamW(drafter.trained_module().parameters(), lr=1e-2)
-    torch.manual_seed(0)
     losses = []
     for _ in range(15):
         optimizer.zero_grad()
@@ -345,9 +346,9 @@ def test_a_few_steps_reduce_the_loss_and_leave_the_target_alone():
 def trained_on_own_greedy_text(target, prompts, steps, **cfg):
     text = torch.cat([torch.cat([p, torch.tensor([plain_decode(target, p, max_new_tokens=40).tokens])], dim=1)
                       for p in prompts])
+    torch.manual_seed(0)  # the drafter's initialisation and its anchors
     drafter = dflash(target, randomize=False, **cfg)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    torch.manual_seed(0)
     batch = batch_of(text)
     example = drafter.prepare(batch, TrainingContext(target))
     for _ in range(steps):
@@ -410,13 +411,46 @@ def test_one_draft_forward_per_step_and_the_same_drafts_for_any_k(half_trained):
     assert proposals[3][:, :1].tolist() == proposals[1].tolist()
 
 
+def test_after_commits_the_source_drafts_what_a_fresh_start_on_the_whole_prefix_drafts():
+    """The context cache grows by the committed tokens' features at their positions: two steps in (kept 3, then
+    2 tokens), the block logits are those of a source started on the whole prefix."""
+    target = tiny_target()
+    drafter = dflash(target, block_size=4)
+    ids = random_ids(20, seed=11)
+    full = target(ids[None], logits="full")
+    source = drafter.draft_source(target)
+    source.start(ids[None, :6], target(ids[None, :6], logits="last"))
+    for start, end in ((6, 9), (9, 11)):
+        source.propose(ids[None, start : start + 1], 3, GREEDY, None)
+        source.commit(ids[None, start:end], full.slice(slice(start, end)))
+    captured, real = [], drafter.draft_logits
+    drafter.draft_logits = lambda hidden: captured.append(real(hidden)) or captured[-1]
+    source.propose(ids[None, 11:12], 3, GREEDY, None)
+    del drafter.draft_logits
+    torch.testing.assert_close(captured[0][0], specdraft_block_logits(drafter, target, ids, 11), rtol=1e-4, atol=1e-5)
+
+
 def test_sampling_at_temperature_1_emits_the_targets_marginals():
-    """The decoder's statistical checks (tests/test_decode_statistics.py) on a 16-token target with an untrained
-    DFlash drafter: its q is unrelated to p, so drafts are accepted and rejected alike."""
+    """The decoder's statistical checks (tests/test_decode_statistics.py) on a 16-token target, with a drafter
+    trained for 150 steps on the target's own samples: its q is related to p and differs by block slot, so drafts
+    are accepted and rejected alike, and a q taken from the wrong slot, or drafts not drawn from q, show."""
     from test_decode_statistics import PROMPT, all_checks, assert_all_pass, assert_both_paths_ran, decode_many
 
     target = tiny_target(vocab=16, layers=4, hidden=32, context=64, std=0.5)
-    drafter = dflash(target, block_size=4, num_layers=1, num_taps=1, seed=3).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 16, (1, 4), generator=g) for _ in range(16)]
+    text = torch.cat([torch.cat([p, torch.tensor([plain_decode(target, p, max_new_tokens=24, params=SAMPLED,
+                                                               generator=torch.Generator().manual_seed(i)).tokens])], 1)
+                      for i, p in enumerate(prompts)])
+    torch.manual_seed(0)  # the drafter's initialisation and its anchors
+    drafter = dflash(target, randomize=False, block_size=4, num_layers=1, num_taps=1, num_anchors=16)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    example = drafter.prepare(batch_of(text), TrainingContext(target))
+    for _ in range(150):
+        optimizer.zero_grad()
+        drafter.compute_loss(example.batch, example.target).loss.backward()
+        optimizer.step()
+    drafter.eval()
     decodes = decode_many(target, lambda: drafter.draft_source(target), SAMPLED, PROMPT, 400, num_tokens=6)
     assert_all_pass(all_checks(decodes, target, SAMPLED))
     assert_both_paths_ran(decodes)
@@ -470,20 +504,9 @@ def test_a_drafter_given_another_target_is_refused(tmp_path):
 TRAIN_STEPS, SAVE_EVERY, KILL_AT_STEP = 6, 3, 5
 TRAIN_DRAFTER = {"family": "dflash", "block_size": 4, "num_layers": 1, "num_taps": 1, "num_anchors": 4,
                  "mask_token_id": 0, "loss_decay_gamma": 4.0}
-KILL_HOOK = """
-import os, runpy, signal, sys
-from specdraft.drafters.dflash import DFlashDrafter
-real, calls = DFlashDrafter.compute_loss, [0]
-def compute_loss(self, *args, **kwargs):
-    if self.training:
-        calls[0] += 1
-        if calls[0] == int(os.environ.get("PROBE_KILL_AT_CALL", 0)):
-            os.kill(os.getpid(), signal.SIGKILL)
-    return real(self, *args, **kwargs)
-DFlashDrafter.compute_loss = compute_loss
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+# The MLP speculator's kill -9 hook (the specdraft CLI, killed at the PROBE_KILL_AT_CALL-th training loss), on DFlash.
+KILL_HOOK = MLP_KILL_HOOK.replace("specdraft.drafters.mlp_speculator", "specdraft.drafters.dflash").replace(
+    "MLPSpeculator", "DFlashDrafter")
 
 
 def dflash_killed_run(folder: Path):

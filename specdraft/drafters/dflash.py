@@ -70,7 +70,6 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..chain_metrics import chain_accuracy_metrics
@@ -88,9 +87,10 @@ from ..contract import (
     target_example,
 )
 from ..decoding.sampling import draw_drafts
-from ..dtypes import export_dtype
 from ..errors import SpecdraftError
+from .eagle3 import Eagle3MLP
 from .eagle_common import DraftCache, attend, head_dim_of, make_rotary, rotate_half
+from .eagle_export import _layer_fields
 from .folder import check_same_target, read_drafter_folder, target_config_dict, write_drafter_folder
 
 FAMILY = "dflash"
@@ -242,19 +242,6 @@ class DFlashAttention(nn.Module):
         return self.o_proj(attend(q, k, v, mask).transpose(1, 2).reshape(B, Q, -1))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, config, qk_norm: bool):
         super().__init__()
@@ -262,7 +249,7 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=eps)
         self.self_attn = DFlashAttention(config, qk_norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=eps)
-        self.mlp = DFlashMLP(config)
+        self.mlp = Eagle3MLP(config)  # the gated silu MLP of Llama and Qwen3 layers
 
     def forward(self, h, cos, sin, context_kv, mask) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_kv, mask)
@@ -535,18 +522,6 @@ def dflash_tensor_names(num_layers: int, qk_norm: bool = True) -> set[str]:
     return names
 
 
-def _rope_fields(tc: dict) -> dict:
-    """The target's RoPE in both spellings: transformers 4 (rope_theta, rope_scaling), 5 (rope_parameters)."""
-    params = tc.get("rope_parameters")
-    if params is None:
-        scaling = tc.get("rope_scaling") or {}
-        params = {**scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
-                  "rope_theta": tc.get("rope_theta", 10000.0)}
-    scaling = None if params.get("rope_type", "default") == "default" else {
-        k: v for k, v in params.items() if k != "rope_theta"}
-    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling, "rope_parameters": dict(params)}
-
-
 def _engine_layers(saved: dict, tensors: dict, engine: str) -> dict:
     """The draft's layers as the Qwen3 config both engines build DFlash layers from (num_hidden_layers = the
     draft's), after refusing what their layer cannot run."""
@@ -561,28 +536,15 @@ def _engine_layers(saved: dict, tensors: dict, engine: str) -> dict:
                              f"{sorted(want - have)}. Export --format hf")
     tc = saved["target_config"]
     if tc.get("hidden_act") != "silu":
-        raise SpecdraftError(f"{engine}'s DFlash MLP is silu only; the target's is {tc.get('hidden_act')!r}")
-    heads, dtype = tc["num_attention_heads"], export_dtype(saved, tensors)
+        raise SpecdraftError(f"{engine}'s DFlash MLP is silu only; the target's is {tc.get('hidden_act')!r}. Export "
+                             "--format hf")
     return {
-        "model_type": "qwen3",
-        "hidden_size": tc["hidden_size"],
-        "intermediate_size": tc["intermediate_size"],
+        **_layer_fields(saved, tensors, "qwen3", tc["vocab_size"]),  # the target's dimensions, eps, RoPE, dtype
         "num_hidden_layers": cfg["num_layers"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": tc.get("num_key_value_heads") or heads,
-        "head_dim": tc.get("head_dim") or tc["hidden_size"] // heads,
-        "hidden_act": "silu",
-        "rms_norm_eps": tc["rms_norm_eps"],
-        "max_position_embeddings": tc["max_position_embeddings"],
-        **_rope_fields(tc),
-        "vocab_size": tc["vocab_size"],
         "attention_bias": False,
-        "tie_word_embeddings": False,
         "use_sliding_window": False,
         "sliding_window": None,
         "layer_types": ["full_attention"] * cfg["num_layers"],  # bidirectional, no window
-        "torch_dtype": dtype,
-        "dtype": dtype,
     }
 
 
