@@ -726,13 +726,16 @@ def test_a_recipe_with_taps_out_of_range_names_the_key():
         declared_needs(DFLASH, DFlashConfig(num_layers=2), target.config, [1])
 
 
-def test_decoding_more_drafts_than_the_block_holds_is_refused():
+def test_asked_for_more_drafts_than_the_block_holds_it_drafts_the_block():
+    """At most block_size - 1 drafts a step (the decoder takes at most k), the same as when asked for those (and a
+    second propose before a commit drafts from the same context)."""
     target = tiny_target()
     source = dflash(target, block_size=4).draft_source(target)
     prompt = random_ids(1, 6, seed=1)
     source.start(prompt, target(prompt, logits="last"))
-    with pytest.raises(SpecdraftError, match="block_size 4 drafts at most 3 tokens a step, asked for 5"):
-        source.propose(torch.tensor([[3]]), 5, GREEDY, None)
+    more = source.propose(torch.tensor([[3]]), 5, SAMPLED, torch.Generator().manual_seed(0))
+    block = source.propose(torch.tensor([[3]]), 3, SAMPLED, torch.Generator().manual_seed(0))
+    assert more.tokens.shape == (1, 3) and torch.equal(more.tokens, block.tokens) and torch.equal(more.probs, block.probs)
 
 
 def test_a_draft_vocabulary_is_refused():

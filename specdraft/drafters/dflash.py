@@ -53,7 +53,7 @@ does. Held-out batches draw their anchors from a fixed generator, leaving the tr
 Decoding (``DFlashDraftSource``): one draft forward per step. The source keeps each layer's context keys and
 values in a preallocated cache; ``propose`` projects the features the last ``commit`` handed over into it
 and runs the block [pending, MASK x (block_size - 1)] over the cache, always the whole block the draft was
-trained on, and returns its first k drafts (k <= block_size - 1). At temperature > 0 each draft is drawn
+trained on, and returns its first k drafts (at most block_size - 1, as an MLP speculator drafts at most its heads). At temperature > 0 each draft is drawn
 from its own position's warped distribution; no draft depends on another, so q_j is the exact distribution
 the verifier compares with. The paper drafts chains; no trees.
 
@@ -444,13 +444,12 @@ class DFlashDraftSource:
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int, params, generator: torch.Generator | None) -> Proposal:
         d, bs = self.drafter, self.drafter.config.block_size
-        if k > bs - 1:
-            raise SpecdraftError(f"a DFlash drafter with block_size {bs} drafts at most {bs - 1} tokens a step, asked "
-                                 f"for {k}: decode with k <= {bs - 1} (eval.k), or train a larger block_size")
+        k = min(k, bs - 1)  # the block holds block_size - 1 drafts: asked for more, it drafts those
         start = len(self.caches[0])
         queued = d.context(self.queued)
         positions = torch.arange(start, start + queued.shape[1], device=pending.device)[None]
         context_kv = [cache.update(*kv) for cache, kv in zip(self.caches, d.context_keys_values(queued, positions))]
+        self.queued = self.queued[:, :0]  # in the cache now: another propose before a commit drafts the same
         length = start + queued.shape[1]  # the committed tokens; the pending one is the anchor
         block = torch.full((1, bs), d.mask_token_id, dtype=torch.long, device=pending.device)
         block[:, :1] = pending
@@ -641,7 +640,8 @@ DFLASH_EXPORTERS = {
                        "--speculative-draft-model-path {out}"),
     "vllm": Exporter(dflash_to_vllm, dflash_read_back,
                      "vllm serve TARGET --speculative-config "
-                     "'{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": BLOCK_SIZE_MINUS_1}'"),
+                     "'{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": K}'  (K = block_size - 1, "
+                     "as the export's speculative_tokens: the block the draft was trained on)"),
 }
 
 DFLASH = Family(name=FAMILY, config_cls=DFlashConfig, needs=dflash_needs, build=build_dflash, load=load_dflash,
