@@ -744,3 +744,19 @@ def test_a_draft_vocabulary_is_refused():
     target = tiny_target()
     with pytest.raises(SpecdraftError, match="takes no draft vocabulary"):
         build_dflash(target, DFlashConfig(num_layers=2), DraftVocab.from_target_ids(torch.arange(10), VOCAB))
+
+
+def test_without_a_mask_token_id_the_first_row_past_the_tokenizer_is_lent_or_the_recipe_must_name_one():
+    """SpecForge adds <|MASK|> past the tokenizer (Qwen3: 151669, a row its embedding has); a tokenizer that fills
+    the embedding leaves no row, and the recipe must name one."""
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    roomy = tiny_target(vocab=len(tokenizer) + 12)
+    roomy.tokenizer = tokenizer
+    assert dflash(roomy, randomize=False).mask_token_id == len(tokenizer)
+    full = tiny_target(vocab=len(tokenizer))
+    full.tokenizer = tokenizer
+    with pytest.raises(SpecdraftError, match="fill the embedding: set drafter.mask_token_id"):
+        dflash(full, randomize=False)
+    assert dflash(full, randomize=False, mask_token_id=3).mask_token_id == 3
