@@ -4,8 +4,9 @@ A step's draft cost depends on the drafter's shapes, not on its weights, so each
 shipped recipe (recipes/<prefix>-<family>.yaml) with the weights it is built with, on one float32 target, and
 the same prompts are decoded greedily at each K with the decoder's own timing. Per family and K it prints the
 draft milliseconds per step (propose + commit), the verify milliseconds per step, the plain decoding
-milliseconds per token measured in the same run, c = draft time per step / plain time per token (the draft
-cost in target steps, the c of Leviathan et al.'s speedup formula). Acceptance
+milliseconds per token measured in the same run, the draft time of a step in plain steps, and c as
+`specdraft eval` reports it (specdraft.evaluation.metrics.draft_cost_ratio: draft time per drafted token over
+verify time per step). Acceptance
 here means nothing (the drafters are untrained); greedy output is checked identical to plain decoding.
 
   python eval/bench_dflash_cost.py --target smollm2-135m-instruct --k 3 5 7 --num-prompts 4 --max-new-tokens 48
@@ -23,6 +24,7 @@ from specdraft.config import load_recipe
 from specdraft.data.vocab import DraftVocab
 from specdraft.decoding.speculative import plain_decode, speculative_decode
 from specdraft.drafters import get_family
+from specdraft.evaluation.metrics import draft_cost_ratio
 from specdraft.quickstart import RECIPES_DIR
 from specdraft.target import FrozenTarget, resolve_target_path
 
@@ -68,8 +70,8 @@ def main() -> None:
     per_token = sum(o.seconds - o.prefill_seconds for o in plain) / sum(len(o.tokens) - 1 for o in plain)
     print(f"target {args.target} ({target_dir}), float32, 1 thread; {len(prompts)} prompts, "
           f"{args.max_new_tokens} new tokens; plain decoding {1000 * per_token:.1f} ms/token\n")
-    print("| family | K | draft ms / step | verify ms / step | c | greedy identical |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| family | K | draft ms / step | verify ms / step | draft step / plain step | c | greedy identical |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for family, drafter in drafters.items():
         for k in args.k:
             steps, same = [], True
@@ -80,8 +82,8 @@ def main() -> None:
                 steps += out.steps
             draft = statistics.mean(s.draft_seconds for s in steps)
             verify = statistics.mean(s.target_seconds for s in steps)
-            print(f"| {family} | {k} | {1000 * draft:.1f} | {1000 * verify:.1f} | "
-                  f"{draft / per_token:.3f} | {'yes' if same else 'NO'} |", flush=True)
+            print(f"| {family} | {k} | {1000 * draft:.1f} | {1000 * verify:.1f} | {draft / per_token:.3f} | "
+                  f"{draft_cost_ratio(steps):.3f} | {'yes' if same else 'NO'} |", flush=True)
 
 
 if __name__ == "__main__":
