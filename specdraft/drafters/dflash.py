@@ -32,8 +32,9 @@ and the draft trains with that frozen row. A target whose tokenizer has no mask 
 never uses: z-lab's Qwen3 drafters use 151669, the first embedding row past Qwen3's tokenizer, which is where
 SpecForge's train_dflash.py puts the ``<|MASK|>`` token it adds; a vocabulary with no spare row lends a
 reserved special token (Llama 3's ``<|reserved_special_token_0|>``, 128002). ``mask_token_id: null`` picks the
-tokenizer's mask token, else the first row past the tokenizer, else (a target with no tokenizer) the last
-row; the chosen id is saved with the drafter.
+tokenizer's mask token, else the first row past the tokenizer (a tokenizer that fills the embedding is refused:
+the recipe must name a row), or, for a target with no tokenizer, the last row; the chosen id is saved with the
+drafter.
 
 Training (SpecForge's OnlineDFlashModel, the paper's Sec. 4): per sequence, ``num_anchors`` anchor positions
 drawn at random (torch's global RNG: a resumed run is exact) among those whose next token is an answer token.
