@@ -20,6 +20,7 @@ from ..target_fingerprint import check_target
 
 FAMILIES: dict[str, Family] = {}
 
+from .dflash import DFLASH  # noqa: E402
 from .distillspec import DISTILLSPEC  # noqa: E402
 from .eagle1 import EAGLE1  # noqa: E402
 from .eagle3 import EAGLE3  # noqa: E402
@@ -33,6 +34,7 @@ FAMILIES[MEDUSA1.name] = MEDUSA1
 FAMILIES[MEDUSA2.name] = MEDUSA2
 FAMILIES[MLP_SPECULATOR.name] = MLP_SPECULATOR
 FAMILIES[DISTILLSPEC.name] = DISTILLSPEC
+FAMILIES[DFLASH.name] = DFLASH
 
 
 def get_family(name: str) -> Family:
