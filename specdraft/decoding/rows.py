@@ -130,12 +130,15 @@ class StepLayout:
     def width(self) -> int:
         return self.ids.shape[1]
 
-    def forward(self, target, cache, cached_valid: torch.Tensor) -> TargetOutputs:
+    def forward(self, target, cache, cached_valid: torch.Tensor | None) -> TargetOutputs:
         """The target's one forward over the step: query j of row b sees the row's valid cached slots
-        (``cached_valid`` [B, S]) and the inputs it may see among its own (causally, or a tree's ``sees``), at
-        the row's length + offset. One row's chain reads on from its cache as any decode does."""
+        (``cached_valid`` [B, S]; None for one row, whose slots are all its own) and the inputs it may see among
+        its own (causally, or a tree's ``sees``), at the row's length + offset. One row's chain reads on from
+        its cache as any decode does."""
         if self.offsets is None:
             return target(self.ids, past_key_values=cache, use_cache=True)
+        if cached_valid is None:  # one row's tree: every cached slot is the row's
+            cached_valid = torch.ones(1, cache.get_seq_length(), dtype=torch.bool, device=self.ids.device)
         mask = rows_step_mask(cached_valid, self.valid, self.sees)
         positions = cached_valid.sum(1, keepdim=True) + self.offsets
         return target(self.ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)

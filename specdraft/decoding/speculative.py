@@ -235,7 +235,9 @@ class _Decode:
 
     def __init__(self, verifier, static, sources, cache, valid: torch.Tensor, pending: torch.Tensor, budgets: list[int],
                  k: int, rules: VerifyRules, generator, clock, stop_ids: set[int]):  # fmt: skip
-        self.verifier, self.static, self.sources, self.cache, self.valid = verifier, static, sources, cache, valid
+        # valid [B, S]: which cache slots hold each row's kept tokens; one row's are all its own (None: no mask)
+        self.verifier, self.static, self.sources, self.cache = verifier, static, sources, cache
+        self.valid = valid if len(budgets) > 1 else None
         self.budgets, self.k, self.rules, self.generator, self.clock, self.stop_ids = (budgets, k, rules, generator,
                                                                                        clock, stop_ids)  # fmt: skip
         self.pending, self.pending_host = pending, pending.tolist()  # [B] on the device, and the same on the host
@@ -270,6 +272,7 @@ class _Decode:
             raise SpecdraftError(f"{type(sources[rows[0]]).__name__} proposed a tree, and compile_target sizes its "
                                  "steps by a TreeDrafting's tree: draft trees through TreeDrafting, or decode with "
                                  "compile_target off")  # fmt: skip
+        start = self.cache.get_seq_length() if self.valid is None else self.valid.shape[1]  # a host value
         out = layout.forward(self.verifier, self.cache, self.valid)
         # 3. verify (the step's one host sync); the first step checks the verify's inputs, later ones are trusted
         if layout.trees:
@@ -281,7 +284,9 @@ class _Decode:
         kept = [[] for _ in range(batch)]
         for b, verdict in zip(rows, verdicts):
             kept[b] = [0] + [node + 1 for node in verdict.path]
-        self.valid = torch.cat([self.valid, keep_slots(self.cache, self.valid.shape[1], kept, layout.width)], dim=1)
+        kept_valid = keep_slots(self.cache, start, kept, layout.width)
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid, kept_valid], dim=1)
         t2 = clock()
         # 5. the sources commit what was kept
         commits, stats = 0.0, []
@@ -332,10 +337,9 @@ def _verify_chains(logits: torch.Tensor, layout: StepLayout, rules: VerifyRules,
     drafts = [layout.proposals[b].tokens[0] for b in rows]
     alpha = None
     if width == 1:  # no row drafted (plain decoding, or no lookup match): the next token from the one position
-        emitted = _first_tokens(row_logits[:, 0], params, generator)[:, None]
-        num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
-        p = matches = None
-    elif params.is_greedy:
+        next_tokens = _first_tokens(row_logits[:, 0], params, generator).tolist()  # the step's one host sync
+        return [_RowVerdict([], [token], None) for token in next_tokens], None, [0] * num_rows
+    if params.is_greedy:
         # Greedy verification is a comparison: d_1..d_n are the drafts equal to the target's argmax at their
         # position, and the argmax after them is the next token (no V-wide p, no q needed: lenience and typical
         # acceptance keep exactly these drafts at a one-hot p as well).
