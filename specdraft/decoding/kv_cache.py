@@ -112,21 +112,17 @@ def ragged_rows(cached: list[int], new: list[int], device) -> tuple[torch.Tensor
     return slot_valid, cached_t[:, None] + torch.arange(max(new), device=device)[None]
 
 
-def keep_slots(cache, start: int, kept: list[list[int]], width: int) -> torch.Tensor:
+def keep_slots(cache, start: int, kept: list[list[int]], width: int) -> None:
     """After a step appended ``width`` slots per row from slot ``start``, keep each row's ``kept`` slots (step
-    indices, in order: the pending token, then its accepted path) as the first of those slots, crop every row to
-    the most any row kept, and return the kept slots' mask [B, most kept]. A chain keeps a prefix: nothing moves,
-    the crop alone rolls back. Works on any cache whose layers hold ``keys``/``values`` [B, H, L, D]."""
-    counts = [len(slots) for slots in kept]
-    device = cache.layers[0].keys.device
+    indices, in order: the pending token, then its accepted path) as the first of those slots, and crop every row
+    to the most any row kept (the caller masks the rest of a row's). A chain keeps a prefix: nothing moves, the
+    crop alone rolls back. Works on any cache whose layers hold ``keys``/``values`` [B, H, L, D]."""
+    most = max(len(slots) for slots in kept)
     if any(slots != list(range(len(slots))) for slots in kept):
         order = [slots + sorted(set(range(width)) - set(slots)) for slots in kept]
-        index = torch.tensor(order, device=device)[:, None, :, None]
+        index = torch.tensor(order, device=cache.layers[0].keys.device)[:, None, :, None]
         for layer in cache.layers:
             for step_slots in (layer.keys[:, :, start : start + width], layer.values[:, :, start : start + width]):
                 step_slots.copy_(step_slots.gather(2, index.expand_as(step_slots)))  # gather copies before the write
-    if width > max(counts):
-        cache.crop(-(width - max(counts)))  # transformers' crop counts from the end when negative
-    if len(kept) == 1:
-        return torch.ones(1, counts[0], dtype=torch.bool, device=device)
-    return torch.arange(max(counts), device=device)[None] < torch.tensor(counts, device=device)[:, None]
+    if width > most:
+        cache.crop(-(width - most))  # transformers' crop counts from the end when negative

@@ -284,8 +284,10 @@ class _Decode:
         kept = [[] for _ in range(batch)]
         for b, verdict in zip(rows, verdicts):
             kept[b] = [0] + [node + 1 for node in verdict.path]
-        kept_valid = keep_slots(self.cache, start, kept, layout.width)
-        if self.valid is not None:
+        keep_slots(self.cache, start, kept, layout.width)
+        if self.valid is not None:  # each row's kept slots, then padding up to the row that kept most
+            counts = torch.tensor([len(slots) for slots in kept], device=pending.device)
+            kept_valid = torch.arange(max(len(slots) for slots in kept), device=pending.device)[None] < counts[:, None]
             self.valid = torch.cat([self.valid, kept_valid], dim=1)
         t2 = clock()
         # 5. the sources commit what was kept
