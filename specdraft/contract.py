@@ -10,13 +10,14 @@ is one module of ``specdraft/drafters/`` that fills them in, and one line in its
                                                              cache read, or sequences it generates first)
     drafter.compute_loss(batch, target_out) -> LossOutput
     drafter.trained_module()                -> nn.Module     what is optimised, wrapped, checkpointed, resumed
+    drafter.configure_optimizers(recipe, total_steps) -> Optimization   its parameter groups and schedule
     drafter.draft_source(target)            -> DraftSource   start / propose / commit, for the decoder; its
                                                              class declares the rest (DraftCapabilities)
     drafter.save_pretrained(path)                            config.json + model.safetensors
     Family.exporters[format]                -> Exporter      write / read_back / serve hint
                                                (FolderExporter: a format that is a whole folder)
-    Family.lr_multipliers(cfg), .unused_parameters, .eval_report, .lr_schedule: optional, for families
-                                                             with stages or parts trained at other rates
+    Family.eval_report, .check_recipe                        optional: a family's own end-of-training
+                                                             figures, and checks across a recipe's sections
 
 A family declares what it needs from the target (``TargetNeeds``: which logits — none, full, only its
 draft vocabulary's rows, or the last position — the final hidden state, which layers to tap, and whether
@@ -25,12 +26,13 @@ the 49k-wide logits of SmolLM2, only its 8,192 draft rows, and decode prefill as
 position. Taps follow vLLM's convention: tap ``i`` is the *input* of decoder layer ``i``. A drafter
 makes its own training example from a batch (``prepare``: one target forward or a feature-cache read by
 default; a family may generate sequences first), names the module the loop optimises, wraps,
-checkpoints and resumes (``trained_module``), and owns its exporters with their serve hints. A family
-with stages or parts also declares, in its registry entry, learning-rate multipliers by parameter name
-(``lr_multipliers``), that some steps leave parameters without a gradient (``unused_parameters``, so
-DDP looks for them), its own end-of-training report (``eval_report``), and export formats that are whole
-folders (``FolderExporter``); ``prepare`` sees the run's length (``TrainingContext.total_steps``).
-Medusa-2 uses all five. A new family is one module under ``specdraft/drafters/``, its recipes, its tests
+checkpoints and resumes (``trained_module``), configures its own optimisation for the run's length, as
+nanoGPT's model does (``configure_optimizers``: parameter groups, each at its own learning rate, the
+schedule, and whether some steps leave parameters without a gradient, so DDP looks for them), and owns its
+exporters with their serve hints. A family may also declare, in its registry entry, its own
+end-of-training report (``eval_report``), checks across the recipe's sections (``check_recipe``), and
+export formats that are whole folders (``FolderExporter``); ``prepare`` sees the run's length
+(``TrainingContext.total_steps``). A new family is one module under ``specdraft/drafters/``, its recipes, its tests
 and one registry line. Everything cheap in a recipe (data files, eval prompts, run folder, feature
 cache, taps against the target's config) is checked before any weight loads.
 
@@ -277,6 +279,21 @@ class LossOutput:
     metrics: dict[str, torch.Tensor]  # scalars for logging (acc_0, loss_0, ...); detached
 
 
+@dataclass
+class Optimization:
+    """How a drafter is optimised over a run (``Drafter.configure_optimizers``): the loop builds AdamW from the
+    groups (the recipe's betas and eps), prepares it with the drafter, and steps the schedule once per optimizer
+    step. ``specdraft.optim.recipe_optimization`` makes the recipe's own, which most families return."""
+
+    # AdamW parameter groups over trained_module()'s parameters: "params", "lr", "weight_decay"
+    param_groups: list[dict]
+    # optimizer -> LR scheduler: the optimizer as prepared (what the scheduler must step), so made after prepare
+    schedule: Callable[[torch.optim.Optimizer], Any]
+    # Some steps leave trained parameters without a gradient (a stage that trains part of the module): DDP
+    # must then look for them (find_unused_parameters, a graph walk per step), or its next step raises.
+    unused_parameters: bool = False
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """A trainable drafter: an ``nn.Module`` defined in one module of ``specdraft/drafters/``.
@@ -292,6 +309,11 @@ class Drafter(Protocol):
         checkpoints and resumes: the drafter's own weights, plus adapters inside the target where
         the family trains them. A checkpoint writes its trainable tensors and buffers, and a resume loads
         them back into it (``specdraft.checkpoint``)."""
+
+    def configure_optimizers(self, recipe: Any, total_steps: int) -> Optimization:
+        """How ``trained_module()`` trains over a run of ``total_steps`` optimizer steps, from the recipe
+        (``specdraft.config.Recipe``): usually ``specdraft.optim.recipe_optimization``; a family with stages
+        or parts trained at other rates gives its own groups, schedule or unused parameters."""
 
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         """This drafter's training example from a data batch: usually ``target_example``; a family
@@ -379,15 +401,6 @@ class Family:
     # family unless the family gives its own.
     exporters: dict[str, Exporter | FolderExporter] = field(default_factory=dict)
     needs_draft_vocab: bool = False  # the loop builds d2t/t2d of cfg.draft_vocab_size from the training data
-    # (optimizer, recipe, total_steps) -> LR scheduler, for a family whose training has phases (a
-    # re-warmup at a stage switch); None: the recipe's warmup and decay (specdraft.optim.make_scheduler).
-    lr_schedule: Callable[..., Any] | None = None
-    # cfg -> {parameter-name prefix in trained_module(): lr multiplier}; each prefix gets its own optimizer
-    # groups at optimizer.lr x multiplier (Medusa-2's heads train at 4x the adapters' lr). None: one lr.
-    lr_multipliers: Callable[[Any], dict[str, float]] | None = None
-    # Some steps leave trained parameters without a gradient (a stage that trains part of the module):
-    # DDP must then look for unused parameters (find_unused_parameters), which costs a graph walk per step.
-    unused_parameters: bool = False
     # (target, drafter, prompt_ids: list of [1, L] tensors, max_new_tokens) -> {name: number}: the family's
     # own figures for the end-of-training eval (Medusa-2: how far its adapted target drifted), printed and
     # written to eval/family_report.json. None: nothing beyond the decoding eval.

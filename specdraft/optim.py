@@ -1,14 +1,28 @@
-"""What every family's optimizer is made of: AdamW parameter groups and the recipe's learning-rate schedule.
+"""What every family's optimisation is made of: AdamW parameter groups and the recipe's learning-rate
+schedule, put together by ``recipe_optimization``, what a drafter's ``configure_optimizers`` usually returns.
 
 Below the drafters and the training loop (both import it), so it imports neither, nor the config.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from transformers import get_scheduler
 
+from .contract import Optimization
 from .errors import SpecdraftError
+
+
+def recipe_optimization(module: nn.Module, recipe, total_steps: int,
+                        lr_multipliers: dict[str, float] | None = None) -> Optimization:
+    """The recipe's optimisation of ``module`` over ``total_steps``: its optimizer section's lr and weight decay
+    (``param_groups``, with ``lr_multipliers`` by parameter-name prefix) and its warmup and decay
+    (``make_scheduler``). A family with its own schedule replaces ``schedule`` (``dataclasses.replace``)."""
+    o = recipe.optimizer
+    return Optimization(param_groups(module, o.weight_decay, o.lr, lr_multipliers),
+                        partial(make_scheduler, recipe=recipe, total_steps=total_steps))
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float,
@@ -21,7 +35,7 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float,
     prefixes = sorted(lr_multipliers or {}, key=len, reverse=True)
     unmatched = [prefix for prefix in prefixes if not any(n.startswith(prefix) for n, _ in params)]
     if unmatched:  # a family naming parameters it does not have would silently train them at 1x
-        raise SpecdraftError(f"the family's lr_multipliers name {unmatched}, which match no trained parameter")
+        raise SpecdraftError(f"the drafter's lr_multipliers name {unmatched}, which match no trained parameter")
 
     def multiplier(name: str) -> float:
         return next((lr_multipliers[prefix] for prefix in prefixes if name.startswith(prefix)), 1.0)

@@ -51,7 +51,6 @@ from .evaluation.run import EvalSettings, evaluate, family_report
 from .evaluation.suites import load_suite
 from .features import check_feature_cache, open_feature_caches, with_sample_index
 from .named_targets import cache_home
-from .optim import make_scheduler, param_groups
 from .recipe_target import load_target, recipe_needs
 from .run_folder import Replacement, check_run_dir, resume_changes
 from .target import FrozenTarget
@@ -60,10 +59,11 @@ from .train_parts import (
     RunState,
     StopRequested,
     append_jsonl,
-    ddp_arguments,
     deepspeed_arguments,
+    fill_deepspeed_micro_batch,
     flat_config,
     load_models_whole,
+    look_for_unused_parameters,
     mean_over_batches,
     mean_over_processes,
 )
@@ -189,7 +189,7 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
         # data_seed: the shuffle follows training.seed, whatever a drafter's build does to torch's
         # global seed (without it accelerate seeds the sampler from torch.initial_seed() at prepare).
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=tcfg.seed),
-        **(deepspeed or ddp_arguments(family)),
+        **deepspeed,
     )
     load_models_whole(accelerator)
     set_seed(tcfg.seed)
@@ -208,18 +208,23 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
                                          generator=torch.Generator().manual_seed(tcfg.seed))
     eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=tcfg.micro_batch_size, collate_fn=collate)
 
-    step_module = TrainStep(drafter, target, caches)
-    o = recipe.optimizer
-    multipliers = family.lr_multipliers(recipe.drafter) if family.lr_multipliers else None
-    optimizer = torch.optim.AdamW(param_groups(step_module.trained, o.weight_decay, o.lr, multipliers), lr=o.lr,
-                                  betas=tuple(o.betas), eps=o.eps)
-    step_module, optimizer, loader, eval_loader = accelerator.prepare(step_module, optimizer, loader, eval_loader)
-    # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper steps it
-    # once per process, which would make N processes follow a different schedule than one.
+    # The data first: the run's length is known once the loader is sharded across the processes, and the
+    # drafter configures its optimisation for that length (nanoGPT's configure_optimizers).
+    loader, eval_loader = accelerator.prepare(loader, eval_loader)
     steps_per_epoch = max(1, len(loader) // tcfg.grad_accumulation)
     total_steps = tcfg.max_steps or math.ceil(tcfg.epochs * steps_per_epoch)
-    scheduler = (family.lr_schedule or make_scheduler)(optimizer, recipe, total_steps)
-    accelerator.unwrap_model(step_module).total_steps = total_steps
+    optimization = drafter.configure_optimizers(recipe, total_steps)
+    o = recipe.optimizer
+    optimizer = torch.optim.AdamW(optimization.param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    step_module = TrainStep(drafter, target, caches)
+    step_module.total_steps = total_steps
+    if optimization.unused_parameters:
+        look_for_unused_parameters(accelerator)
+    fill_deepspeed_micro_batch(accelerator, tcfg.micro_batch_size)
+    step_module, optimizer = accelerator.prepare(step_module, optimizer)
+    # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper steps it
+    # once per process, which would make N processes follow a different schedule than one.
+    scheduler = optimization.schedule(optimizer)
     run = Run(recipe, accelerator, run_dir, target, drafter, step_module, optimizer, scheduler, loader, eval_loader,
               total_steps, trackers=trackers, data_fingerprints=data_fingerprints(recipe))
     # Everything has loaded: only now may --overwrite move the old run out of the way (kept until the

@@ -32,13 +32,12 @@ class RunState:
     tokens: int = 0
 
 
-def ddp_arguments(family) -> dict:
-    """Extra ``Accelerator`` arguments for DDP: a family whose steps leave parameters without a gradient
-    (``Family.unused_parameters``) needs DDP to look for them, or DDP raises at the next step (its reduction never finished)."""
-    if not family.unused_parameters:
-        return {}
-
-    return {"kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True)]}
+def look_for_unused_parameters(accelerator) -> None:
+    """Have DDP look for trained parameters a step leaves without a gradient (``Optimization.unused_parameters``),
+    or its next step raises (its reduction never finished). Set before the model is prepared: the handler is
+    what ``Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(...)])`` sets, known only once the drafter is
+    built, after the accelerator (the target loads on its device)."""
+    accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
 
 
 # -- DeepSpeed (begin) --------------------------------------------------------------------------
@@ -59,6 +58,15 @@ def deepspeed_arguments(tcfg) -> dict:
         # (DS_ACCELERATOR=cpu) runs over gloo. This is what makes the CPU tests possible.
         arguments["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     return arguments
+
+
+def fill_deepspeed_micro_batch(accelerator, micro_batch_size: int) -> None:
+    """DeepSpeed's "auto" micro-batch, which accelerate fills only from loaders prepared in the same call as the
+    model: the loop prepares its loaders first (the run's length is what the drafter's optimisation is made for),
+    so it fills the value accelerate would have (the loaders' batch size)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
 
 
 def load_models_whole(accelerator) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from specdraft.contract import Family, LossOutput, TargetNeeds, target_example
 from specdraft.drafters import FAMILIES
+from specdraft.optim import recipe_optimization
 
 NEEDS = TargetNeeds(final_hidden=True)  # it reads the final hidden state, and no logits
 
@@ -59,6 +60,9 @@ class Probe(nn.Module):
 
     def trained_module(self):
         return self
+
+    def configure_optimizers(self, recipe, total_steps):
+        return recipe_optimization(self, recipe, total_steps)
 
     def prepare(self, batch, context):
         return target_example(batch, context, self.needs)

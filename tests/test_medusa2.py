@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_medusa import chat_batch, tiny_target
 
-from specdraft.config import load_recipe
+from specdraft.config import load_recipe, parse_recipe
 from specdraft.contract import TrainingContext
 from specdraft.drafters import load_drafter
 from specdraft.drafters.medusa2 import (
@@ -41,12 +41,38 @@ def test_stage_1_trains_the_heads_alone_and_stage_2_starts_at_kl_0():
         grads = [p.grad for p in lora(drafter, "B")]
         if joint:  # B = 0 at the start, so only B gets a gradient (dL/dA = B^T ... = 0)
             assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
-        else:  # the adapters take no part: DDP must look for unused parameters (Family.unused_parameters)
+        else:  # the adapters take no part: DDP must look for unused parameters (Optimization.unused_parameters)
             assert all(g is None for g in grads)
         assert all(p.grad is not None for p in drafter.heads.parameters())
         assert out.metrics["kl_original_adapted"] == 0  # B = 0: the adapted target is the original
         drafter.trained_module().zero_grad(set_to_none=True)
-    assert MEDUSA2.unused_parameters
+
+
+def test_the_drafter_trains_its_heads_at_their_multiplier_and_has_ddp_look_for_stage_1s_unused_adapters():
+    raw = {"target": {"path": "some/model"}, "data": {"path": "d.jsonl"}, "training": {"max_steps": 10},
+           "checkpoint": {"output_dir": "runs/x"}, "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+           "drafter": {"family": "medusa2", "num_heads": 2, "head_lr_multiplier": 4.0, "warmup_ratio": 0.2}}
+    for joint_from_step in (3, 0):
+        raw["drafter"]["joint_from_step"] = joint_from_step
+        recipe = parse_recipe(raw)
+        drafter = MEDUSA2.build(tiny_target(), recipe.drafter)
+        optimization = drafter.configure_optimizers(recipe, 10)
+        heads = {id(p) for p in drafter.heads.parameters()}
+        trained = {id(p) for p in drafter.trained_module().parameters() if p.requires_grad}
+        grouped = [(id(p), group["lr"]) for group in optimization.param_groups for p in group["params"]]
+        assert sorted(i for i, _ in grouped) == sorted(trained)  # every trained tensor, once
+        assert all(lr == pytest.approx(4e-3 if i in heads else 1e-3) for i, lr in grouped)
+        assert {lr for i, lr in grouped if i not in heads} == {1e-3}  # the adapters are grouped too
+        # Only a stage 1 leaves the adapters without a gradient; joint from the start, DDP need not look.
+        assert optimization.unused_parameters == (joint_from_step > 0)
+        optimizer = torch.optim.AdamW(optimization.param_groups)
+        scheduler = optimization.schedule(optimizer)  # Medusa's: warmup = ceil(0.2 x 10) steps
+        lrs = []
+        for _ in range(3):
+            lrs.append(scheduler.get_last_lr())
+            optimizer.step()
+            scheduler.step()
+        assert [max(lr) for lr in lrs] == pytest.approx([0.0, 2e-3, 4e-3])
 
 
 def test_lora_modules_the_target_lacks_are_refused_with_those_it_has():

@@ -12,6 +12,7 @@ from mutation import mutate
 from transformers import get_scheduler
 
 from specdraft import features as features_module
+from specdraft import optim as optim_module
 from specdraft import train as train_module
 from test_deepspeed import deepspeed_setup, zero3_runs  # noqa: F401  (fixtures)
 from test_distributed import ddp_killed_run  # noqa: F401  (a fixture)
@@ -57,8 +58,8 @@ def test_signal_check_catches_sigint_not_handled(tmp_path, target_dir, data):
 
 
 def test_learning_check_catches_training_at_lr_0(tmp_path, target_dir, data, monkeypatch):
-    real = train_module.param_groups
-    monkeypatch.setattr(train_module, "param_groups",
+    real = optim_module.param_groups
+    monkeypatch.setattr(optim_module, "param_groups",
                         lambda *args: [{**group, "lr": 0.0} for group in real(*args)])
     with pytest.raises(AssertionError, match="held-out loss did not fall"):
         check_end_to_end_learns_and_writes_a_self_describing_run(tmp_path, target_dir, data)
@@ -84,7 +85,7 @@ def linear_decay(optimizer, recipe, total_steps):
 
 @pytest.mark.parametrize("mutant", [no_floor, no_warmup, linear_decay])
 def test_schedule_check_catches(tmp_path, target_dir, data, monkeypatch, mutant):
-    monkeypatch.setattr(train_module, "make_scheduler", mutant)
+    monkeypatch.setattr(optim_module, "make_scheduler", mutant)
     with pytest.raises(AssertionError, match="the schedule says"):
         check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor(tmp_path, target_dir, data)
 

@@ -16,7 +16,8 @@ from specdraft import train as train_module
 from specdraft.checkpoint import checkpoint_dirs, find_drafter_dir
 from specdraft.config import parse_recipe
 from specdraft.errors import SpecdraftError
-from specdraft.train import make_scheduler, train
+from specdraft.optim import make_scheduler
+from specdraft.train import train
 from spine import (KilledRun, assert_logged_lr_schedule, built_killed_run, make_chat_data,
                    make_recipe, read_metrics, run_cli, write_recipe)
 from tiny import save_tiny_target

@@ -4,7 +4,6 @@ import pytest
 import torch
 from tiny import tiny_llama
 
-from specdraft.decoding.rows import fresh_sources
 from specdraft.decoding.sources import PromptLookupSource
 from specdraft.decoding.speculative import (
     DecodeOutput,

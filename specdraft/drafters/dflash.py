@@ -81,6 +81,7 @@ from ..contract import (
     Exporter,
     Family,
     LossOutput,
+    Optimization,
     Proposal,
     TargetNeeds,
     TargetOutputs,
@@ -89,6 +90,7 @@ from ..contract import (
 )
 from ..decoding.sampling import draw_drafts
 from ..errors import SpecdraftError
+from ..optim import recipe_optimization
 from .eagle3 import Eagle3MLP
 from .eagle_common import DraftCache, attend, head_dim_of, make_rotary, rotate_half
 from .eagle_export import _layer_fields
@@ -309,6 +311,9 @@ class DFlashDrafter(nn.Module):
     # -- training -------------------------------------------------------------------------------------------
     def trained_module(self) -> nn.Module:
         return self
+
+    def configure_optimizers(self, recipe, total_steps: int) -> Optimization:
+        return recipe_optimization(self, recipe, total_steps)
 
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         return target_example(batch, context, self.needs)

@@ -70,6 +70,7 @@ from ..contract import (
     Family,
     FolderExporter,
     LossOutput,
+    Optimization,
     TargetNeeds,
     TargetOutputs,
     TrainingContext,
@@ -79,6 +80,7 @@ from ..errors import SpecdraftError
 from ..lora import LORA_MODULES, check_lora_settings, with_lora
 from ..losses import DIVERGENCES, acceptance_rate, distillation_view, generalized_jsd
 from ..masks import block_causal_mask
+from ..optim import recipe_optimization
 
 INITS = ("config", "truncate", "pretrained")
 
@@ -234,6 +236,9 @@ class DistillSpecDrafter(nn.Module):
 
     def trained_module(self) -> nn.Module:
         return self.student  # a PeftModel for a LoRA student: its lora_A / lora_B are what train
+
+    def configure_optimizers(self, recipe, total_steps: int) -> Optimization:
+        return recipe_optimization(self.student, recipe, total_steps)
 
     def lm(self) -> nn.Module:
         """The transformers model itself (for a LoRA student, peft's base model with the adapters in it)."""

@@ -19,10 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contract import DraftCapabilities, Example, Proposal, TargetOutputs, TrainingContext, target_example
+from ..contract import (
+    DraftCapabilities,
+    Example,
+    Optimization,
+    Proposal,
+    TargetOutputs,
+    TrainingContext,
+    target_example,
+)
 from ..decoding.kv_cache import PreallocatedLayer, ragged_rows, rows_step_mask
 from ..decoding.sampling import draw_drafts
 from ..errors import SpecdraftError
+from ..optim import recipe_optimization
 from .eagle_tree import propose_tree
 from .folder import target_config_dict, write_drafter_folder
 
@@ -175,6 +184,9 @@ class BorrowsTargetWeights:
     # ``logit_rows`` (the draft vocabulary's target ids when it trains on those rows only).
     def trained_module(self) -> nn.Module:
         return self  # its own weights; the target's embedding and head are borrowed, not trained
+
+    def configure_optimizers(self, recipe, total_steps: int) -> Optimization:
+        return recipe_optimization(self, recipe, total_steps)
 
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         return target_example(batch, context, self.needs, self.logit_rows)

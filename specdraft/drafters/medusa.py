@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -62,6 +63,7 @@ from ..contract import (
     ExportOptions,
     Family,
     LossOutput,
+    Optimization,
     Proposal,
     TargetNeeds,
     TargetOutputs,
@@ -74,7 +76,7 @@ from ..decoding.trees import check_tree_request, expand_static_tree
 from ..dtypes import export_dtype
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss, soft_cross_entropy
-from ..optim import make_scheduler
+from ..optim import make_scheduler, recipe_optimization
 from .folder import (
     check_same_target,
     read_drafter_folder,
@@ -227,6 +229,10 @@ class MedusaDrafter(nn.Module):
     # -- the Drafter contract ---------------------------------------------------------------------
     def trained_module(self) -> nn.Module:
         return self  # the heads; the target stays frozen (Medusa-1)
+
+    def configure_optimizers(self, recipe, total_steps: int) -> Optimization:
+        return replace(recipe_optimization(self.trained_module(), recipe, total_steps),
+                       schedule=partial(medusa_lr_schedule, recipe=recipe, total_steps=total_steps))
 
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         return target_example(batch, context, self.needs, self.draft_ids if self.needs.logits == "draft_rows" else None)
@@ -639,4 +645,4 @@ MEDUSA_EXPORTERS = {
 }
 
 MEDUSA1 = Family(name="medusa1", config_cls=MedusaConfig, needs=medusa_needs, build=build_medusa, load=load_medusa,
-                 exporters=MEDUSA_EXPORTERS, needs_draft_vocab=True, lr_schedule=medusa_lr_schedule)
+                 exporters=MEDUSA_EXPORTERS, needs_draft_vocab=True)

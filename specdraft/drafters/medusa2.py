@@ -16,9 +16,9 @@ states. sched is the reference trainer's (FasterDecoding's axolotl patch): const
 sine (sin(pi/2 x)) warmup over ``heads_warmup_ratio`` of the run's steps (its ``sine_<ratio>``).
 
 The heads train at ``head_lr_multiplier`` (4x) the adapters' lr (the reference's medusa_lr_multiplier),
-and a stage-1 step leaves the adapters without a gradient: the family declares both to the loop
-(``Family.lr_multipliers``, ``Family.unused_parameters``, so DDP looks for them). It also uses the
-contract's other optional parts: its own end-of-training report (``Family.eval_report``), a whole-folder
+and a stage-1 step leaves the adapters without a gradient: its ``configure_optimizers`` says both to the
+loop (a group per lr, and ``Optimization.unused_parameters``, so DDP looks for them). It also uses the
+contract's optional parts: its own end-of-training report (``Family.eval_report``), a whole-folder
 export (``FolderExporter``) and the run's length (``TrainingContext.total_steps``, for sched).
 Tests show two DDP processes train both stages to one process's weights, and ZeRO-2 matches one process
 when training is joint from the first step. With a stage 1 under DeepSpeed, the adapters still do not
@@ -46,7 +46,7 @@ import json
 import math
 import warnings
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,7 @@ from ..contract import (
     Family,
     FolderExporter,
     LossOutput,
+    Optimization,
     TargetNeeds,
     TrainingContext,
 )
@@ -69,6 +70,7 @@ from ..decoding.speculative import plain_decode
 from ..errors import SpecdraftError
 from ..lora import LORA_MODULES, check_lora_modules, check_lora_settings, with_lora
 from ..losses import forward_kl
+from ..optim import param_groups
 from ..target import FrozenTarget
 from .folder import target_config_dict
 from .medusa import (
@@ -77,7 +79,6 @@ from .medusa import (
     MedusaDrafter,
     check_heads_target,
     load_medusa,
-    medusa_lr_schedule,
     medusa_needs,
 )
 
@@ -166,6 +167,14 @@ class Medusa2Drafter(MedusaDrafter):
 
     def trained_module(self) -> nn.Module:
         return self._outside[2]
+
+    def configure_optimizers(self, recipe, total_steps: int) -> Optimization:
+        """Medusa-1's, with the heads at ``head_lr_multiplier`` x the adapters' lr; a stage 1 (before
+        ``joint_from_step``) leaves the adapters without a gradient, so DDP must look for unused parameters."""
+        o, cfg = recipe.optimizer, self.config
+        groups = param_groups(self.trained_module(), o.weight_decay, o.lr, {"heads.": cfg.head_lr_multiplier})
+        return replace(super().configure_optimizers(recipe, total_steps), param_groups=groups,
+                       unused_parameters=cfg.joint_from_step > 0)
 
     @property
     def peft_model(self):
@@ -376,5 +385,4 @@ MERGED = FolderExporter(
 
 MEDUSA2 = Family(name="medusa2", config_cls=Medusa2Config, needs=medusa2_needs, build=build_medusa2,
                  load=load_medusa2, exporters={"merged": MERGED}, needs_draft_vocab=True,
-                 lr_schedule=medusa_lr_schedule, lr_multipliers=lambda cfg: {"heads.": cfg.head_lr_multiplier},
-                 unused_parameters=True, eval_report=drift_report)
+                 eval_report=drift_report)

@@ -49,7 +49,8 @@ and check identical head logits.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -67,6 +68,7 @@ from ..contract import (
     ExportOptions,
     Family,
     LossOutput,
+    Optimization,
     Proposal,
     TargetNeeds,
     TargetOutputs,
@@ -78,7 +80,7 @@ from ..decoding.trees import check_tree_request, expand_static_tree
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss, masked_mean
 from ..masks import shift_left
-from ..optim import make_scheduler
+from ..optim import make_scheduler, recipe_optimization
 from .folder import read_drafter_folder, write_drafter_folder
 
 FAMILY = "mlp_speculator"
@@ -498,6 +500,10 @@ class MLPSpeculator(nn.Module):
     def trained_module(self) -> nn.Module:
         return self  # the heads (self.speculator); its state_dict names are fms-extras' HF names
 
+    def configure_optimizers(self, recipe, total_steps: int) -> Optimization:
+        return replace(recipe_optimization(self, recipe, total_steps),
+                       schedule=partial(make_lr_schedule, recipe=recipe, total_steps=total_steps))
+
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         """Stage 1: the target's hidden states over the data (or the feature cache). Stage 2 (training
         steps after stage2_start_step; held-out batches stay on stage 1): sequences the target samples."""
@@ -687,5 +693,4 @@ VLLM_SERVE_HINT = (
 MLP_SPECULATOR = Family(name=FAMILY, config_cls=MLPSpeculatorConfig, needs=mlp_speculator_needs,
                         build=build_mlp_speculator, load=load_mlp_speculator,
                         exporters={"vllm": Exporter(write=_same_folder, read_back=lambda saved, tensors: tensors,
-                                                    serve_hint=VLLM_SERVE_HINT)},
-                        lr_schedule=make_lr_schedule)
+                                                    serve_hint=VLLM_SERVE_HINT)})
