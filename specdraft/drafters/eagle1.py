@@ -42,7 +42,6 @@ from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
-    KVCache,
     check_target_architecture,
     decode_mask,
 )
@@ -116,7 +115,7 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         self.bind_target(target)
 
     # -- the draft network ------------------------------------------------------------------------
-    def draft_step(self, features, tokens, positions, cache: KVCache | DraftCache | None = None,
+    def draft_step(self, features, tokens, positions, cache: DraftCache | None = None,
                    mask=None) -> torch.Tensor:
         """f_hat_{i+1} for each position i from (f_i, t_{i+1}); [B, m, H] -> [B, m, H]."""
         if mask is None:  # decoding: causal over the cache plus the new positions

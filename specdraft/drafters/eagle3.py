@@ -62,7 +62,7 @@ from ..masks import block_causal_mask, shift_left
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
-    KVCache,
+    TrainingTimeTestKeys,
     apply_rotary,
     attend,
     check_target_architecture,
@@ -139,15 +139,18 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | DraftCache | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: TrainingTimeTestKeys | DraftCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
-        if cache is not None:  # earlier positions (decoding) or earlier TTT steps (training)
-            k, v = cache.update(k, v)
-        out = attend(q, k, v, mask)
+        if isinstance(cache, TrainingTimeTestKeys):  # training: earlier TTT steps' keys, mask = step 0's
+            out = cache.attend(q, k, v, mask)
+        else:
+            if cache is not None:  # decoding: earlier positions
+                k, v = cache.update(k, v)
+            out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -174,7 +177,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)  # on the incoming hidden
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
 
-    def forward(self, embeds, hidden, cos, sin, mask, cache: KVCache | DraftCache | None) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, mask, cache: TrainingTimeTestKeys | DraftCache | None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         h = hidden + self.self_attn(x, cos, sin, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -198,7 +201,7 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         self.bind_target(target)
 
     # -- the draft network ------------------------------------------------------------------------
-    def draft_step(self, hidden, tokens, positions, cache: KVCache | DraftCache | None = None,
+    def draft_step(self, hidden, tokens, positions, cache: TrainingTimeTestKeys | DraftCache | None = None,
                    mask=None) -> torch.Tensor:
         """One draft step over m positions: [B, m, H] hidden + [B, m] next tokens -> [B, m, H] pre-norm outputs."""
         if mask is None:  # decoding: causal over the cache plus the new positions
@@ -235,16 +238,13 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         """The training-time test: step k's outputs [B, T, H] for k = 0..ttt_steps-1.
 
         Step k, row i reads t_{i+k+1} and the previous step's row i at RoPE position i + k, and
-        attends the step-0 keys allowed by ``mask0`` plus row i's keys from steps 1..k: each
-        step's keys are appended to one KVCache (by concatenation, for autograd), so step k's mask is
-        [mask0 | I | ... | I].
+        attends the step-0 keys allowed by ``mask0`` plus row i's keys from steps 1..k: the references'
+        mask [mask0 | I | ... | I] over the keys of every step, which ``TrainingTimeTestKeys`` computes
+        exactly with one attention over the step-0 keys per step.
         """
-        B, T = ids.shape
-        same_position = torch.eye(T, dtype=torch.bool, device=ids.device)[None, None].expand(B, 1, T, T)
-        cache, hidden, outputs = KVCache(), self.draft_input(features), []
+        cache, hidden, outputs = TrainingTimeTestKeys(), self.draft_input(features), []
         for k in range(self.config.ttt_steps):
-            mask = torch.cat([mask0] + [same_position] * k, dim=-1)
-            hidden = self.draft_step(hidden, shift_left(ids, k + 1), positions + k, cache, mask)
+            hidden = self.draft_step(hidden, shift_left(ids, k + 1), positions + k, cache, mask0)
             outputs.append(hidden)
         return outputs
 

@@ -1,7 +1,8 @@
 """What EAGLE-1 and EAGLE-3 share.
 
-* ``KVCache``: the draft layer's keys/values in EAGLE-3's training-time test, the "extended KV"
-  each unrolled step appends to; ``DraftCache``: the draft's preallocated KV cache at decode time.
+* ``TrainingTimeTestKeys``: the draft layer's keys/values in EAGLE-3's training-time test (the "extended KV"
+  each unrolled step adds to) and its attention there; ``DraftCache``: the draft's preallocated KV cache at
+  decode time.
 * ``attend``: softmax attention with an explicit boolean mask, the one place both use.
 * the target-architecture check, the borrowed (frozen, unsaved) target weights, the parts of
   the ``Drafter`` contract both fill in the same way (saving through ``folder.write_drafter_folder``), and
@@ -95,7 +96,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v, with grouped-query heads.
 
     q [B, h, Tq, d], k/v [B, h_kv, Tk, d], mask bool [B or 1, 1, Tq, Tk] (True = may attend).
@@ -105,7 +107,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def decode_mask(num_new: int, num_cached: int, device) -> torch.Tensor:
@@ -115,29 +117,85 @@ def decode_mask(num_new: int, num_cached: int, device) -> torch.Tensor:
     return (key <= query)[None, None]
 
 
-class KVCache:
-    """Keys and values of the draft layer in EAGLE-3's training-time test, grown along the sequence
-    dim by concatenation: autograd needs the keys every earlier unrolled step attended to left as they
-    were. Decoding uses ``DraftCache``, preallocated.
+class TrainingTimeTestKeys:
+    """The draft layer's keys and values in EAGLE-3's training-time test, and its attention there.
 
-    ``update`` has the signature transformers' attention layers call.
+    Step 0's row i attends the step-0 keys its mask allows; step k's row i attends those same keys plus its
+    *own* keys of steps 1..k (the "extended KV" of the references, whose mask is [mask0 | I | ... | I]). Only
+    the step-0 keys are shared across rows, so step k runs one attention over them and one extra key per row:
+    a "sink" key whose score is the log-sum-exp of row i's own step keys, with a value column that returns
+    its softmax weight beta (``attend_with_own_keys``). That is the same softmax as the extended mask's, for
+    a cost of one step-0 attention per step instead of k + 1, with no [T, (k + 1) T] mask. ``update`` keeps
+    the keys; autograd sees every step's as they were.
     """
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None  # [B, h_kv, L, d]
+        self.keys: torch.Tensor | None = None  # step 0's [B, h_kv, T, d]
         self.values: torch.Tensor | None = None
+        self.own_keys: list[torch.Tensor] = []  # steps 1..k, each [B, h_kv, T, d]: row i's keys at step j
+        self.own_values: list[torch.Tensor] = []
+        self.padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # step 0's keys + the sink
 
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0, cache_kwargs=None, **kwargs):
-        # **kwargs: transformers >= 5.24 passes the attention call's kwargs through (`kwargs=kwargs`)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask0: torch.Tensor) -> torch.Tensor:
+        """This step's attention output [B, h, T, d]; ``mask0`` [B or 1, 1, T, T] is step 0's mask."""
         if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-        return self.keys, self.values
+            self.keys, self.values = k, v
+            return attend(q, k, v, mask0)
+        self.own_keys.append(k)
+        self.own_values.append(v)
+        if self.padded is None:  # step 0's keys and the sink, built once for steps 1..k
+            self.padded = sink_padded_keys(self.keys, self.values, mask0)
+        return attend_with_own_keys(q, *self.padded, torch.stack(self.own_keys, 3), torch.stack(self.own_values, 3))
+
+
+SINK_COLUMNS = 3  # the padded head dims: the sink's score (two columns, high and low part) and beta
+
+
+def sink_padded_keys(keys, values, mask0):
+    """Step 0's keys and values with one more key (the sink), over a head dim padded to a multiple of 8 (the GPU
+    kernels' alignment) with room for the sink's columns: keys [k, 0] and the sink [0, 1, 1, 0]; values [v, 0]
+    and the sink [0, 0, 0, 1]; the mask with a column that lets every row see the sink."""
+    B, H, T, d = keys.shape
+    width = -(-(d + SINK_COLUMNS) // 8) * 8
+    sink_key = keys.new_zeros(B, H, 1, width)
+    sink_key[..., d : d + 2] = 1
+    sink_value = values.new_zeros(B, H, 1, width)
+    sink_value[..., d + 2] = 1
+    padded_keys = torch.cat([F.pad(keys, (0, width - d)), sink_key], dim=2)
+    padded_values = torch.cat([F.pad(values, (0, width - d)), sink_value], dim=2)
+    mask = torch.cat([mask0, mask0.new_ones(*mask0.shape[:-1], 1)], dim=-1)
+    return padded_keys, padded_values, mask
+
+
+def attend_with_own_keys(q, padded_keys, padded_values, mask, own_keys, own_values):
+    """softmax over [row i's allowed step-0 keys, row i's own keys] of q, exactly, in one SDPA over the step-0
+    keys plus the sink: q [B, h, T, d]; own keys/values [B, h_kv, T, k, d], row i's at each of k steps.
+
+    The sink's score is L_i = logsumexp_j(q_i . own_ij / sqrt(d)), carried in q's padding as two parts (high and
+    low, so that bf16 keeps it to ~2^-16), so SDPA's output is (sum_step0 e^s v + e^L [0, beta]) / Z, its beta
+    column e^L / Z: adding beta x (own keys' softmax-weighted values) completes the softmax over both."""
+    B, h, T, d = q.shape
+    groups = h // own_keys.shape[1]
+    if groups > 1:
+        own_keys, own_values = own_keys.repeat_interleave(groups, 1), own_values.repeat_interleave(groups, 1)
+    scale = d**-0.5
+    with torch.autocast(q.device.type, enabled=False):  # float32 scores, as SDPA keeps its own
+        own_scores = torch.matmul(own_keys.float(), q.float().unsqueeze(-1)).squeeze(-1) * scale  # [B, h, T, k]
+        own_lse = torch.logsumexp(own_scores, dim=-1, keepdim=True)  # [B, h, T, 1]
+        own_out = torch.matmul(torch.softmax(own_scores, dim=-1).unsqueeze(-2), own_values.float()).squeeze(-2)
+    # SDPA multiplies the sink's score (q . [0, 1, 1, 0] = high + low) by scale: divide it out first.
+    target = own_lse / scale
+    high = target.to(q.dtype)
+    low = (target - high.float()).to(q.dtype)
+    width = padded_keys.shape[-1]
+    padded_q = torch.cat([q, high, low, q.new_zeros(B, h, T, width - d - 2)], dim=-1)
+    out = attend(padded_q, padded_keys, padded_values, mask, scale=scale)
+    beta = out[..., d + 2 : d + 3].float()
+    return (out[..., :d].float() + beta * own_out).to(q.dtype)
+
 
 
 class DraftCache(PreallocatedLayer):
