@@ -130,6 +130,33 @@ def _layer_fields(saved: dict, tensors: dict, model_type: str, vocab_size: int) 
     }
 
 
+# Targets (transformers model_type) each engine feeds a draft from captured layers, among those specdraft's EAGLE-3
+# and DFlash drafters tap. vLLM 0.33.0: the target's model class implements SupportsEagle3
+# (v1/worker/gpu_model_runner.py raises "Model does not support EAGLE3 interface" otherwise; DFlash also runs on
+# aux hidden states): llama.py (MistralForCausalLM subclasses it), qwen2.py, qwen3.py, qwen3_moe.py; mixtral.py
+# does not. sglang 0.5.23: the model class has set_eagle3_layers_to_capture (llama.py, which mistral.py
+# subclasses, qwen2.py, qwen3.py, qwen3_moe.py) or set_dflash_layers_to_capture (llama.py, qwen3.py,
+# qwen3_moe.py); mixtral.py has neither.
+SERVED_TARGETS = {
+    ("vLLM", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
+    ("SGLang", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
+    ("vLLM", "DFlash"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
+    ("SGLang", "DFlash"): ("llama", "mistral", "qwen3", "qwen3_moe"),
+}
+
+
+def check_served_target(saved: dict, engine: str, method: str) -> None:
+    """Refuse an export for a target whose model the engine cannot feed this draft (no layer capture)."""
+    model_type = saved["target_config"].get("model_type")
+    served = SERVED_TARGETS[engine, method]
+    if model_type not in served:
+        raise SpecdraftError(
+            f"{engine} serves {method} drafts only on targets whose model captures the tapped layers "
+            f"({', '.join(served)}); its {model_type} model does not, so this drafter cannot run there. "
+            "Export --format hf, or train for a target the engine serves."
+        )
+
+
 def _served_taps(saved: dict) -> list[int]:
     taps = list(saved["target_taps"])
     if len(taps) != 3 or len(set(taps)) != 3 or min(taps) < 1:
@@ -200,6 +227,7 @@ def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[d
         rope_scaling {"type": linear|dynamic, "factor"} (configs.py EConfig rejects other scalings)
     """
     _check_tensor_names(set(tensors), EAGLE3_TENSORS, "SGLang's LlamaForCausalLMEagle3")
+    check_served_target(saved, "SGLang", "EAGLE-3")
     V, N, out = _eagle3_vocab(saved, tensors)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -256,6 +284,7 @@ def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dic
     Tensor names are the ones speculators itself saves (layers.0.*).
     """
     _check_tensor_names(set(tensors), EAGLE3_TENSORS, "vLLM's Eagle3LlamaForCausalLM")
+    check_served_target(saved, "vLLM", "EAGLE-3")
     V, N, out = _eagle3_vocab(saved, tensors)
     if not opts.verifier:
         raise SpecdraftError(
