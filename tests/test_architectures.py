@@ -85,13 +85,13 @@ def test_moe_taps_ignore_the_router_and_no_router_logits_are_kept(arch):
     """The configs ask for router logits (output_router_logits: true): the frozen target turns that off, so its
     forward collects none, and the tapped layer inputs are the hidden states transformers reports."""
     target = random_target(arch, TargetNeeds(taps=(1, 2, 3), final_hidden=True))
-    assert target.model.config.output_router_logits is False
     kept = []
     target.base.register_forward_hook(lambda module, args, out: kept.append(out))
     with torch.no_grad():
         out = target(IDS)
         reported = target.model(IDS, output_hidden_states=True, output_router_logits=False)
     assert getattr(kept[0], "router_logits", None) is None
+    assert target.model.config.output_router_logits is False
     torch.testing.assert_close(out.aux_hidden, torch.cat([reported.hidden_states[t] for t in (1, 2, 3)], -1))
 
 
