@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             for family in args.family:
                 cell = run_cell(arch, family, Path(work) / "cells" / f"{arch}-{family}")
                 rows.append(cell.row())
-                refusals += [f"- {arch} / {family}: {text}" for text in ([cell.refusal] if cell.refusal else [])
-                             + cell.notes]
+                if cell.refusal:
+                    refusals.append(f"- {arch} / {family}: {cell.refusal}")
+                refusals += [f"- {arch} / {family} / export {fmt}: {text}" for fmt, text in cell.notes.items()]
                 print(f"{arch} {family}: done", file=sys.stderr, flush=True)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"{time.time() - start:.0f} s on {torch.get_num_threads()} CPU thread(s)\n")

@@ -65,6 +65,7 @@ MOE = ("qwen3_moe", "mixtral")
 DRAFTERS = {
     "eagle1": {"family": "eagle1", "fc_bias": False},  # vLLM's EAGLE-1 fc has no bias
     "eagle3": {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 128},
+    "eagle3-qk": {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 128, "draft_layer": "qwen3"},  # QK-norm
     "medusa1": {"family": "medusa1", "num_heads": 2, "num_layers": 1},
     "medusa2": {"family": "medusa2", "num_heads": 2, "num_layers": 1, "lora_r": 4, "lora_alpha": 8},
     "mlp_speculator": {"family": "mlp_speculator", "n_predict": 2},
@@ -72,7 +73,7 @@ DRAFTERS = {
     "dflash": {"family": "dflash", "block_size": 4, "num_layers": 1, "num_taps": 1, "num_anchors": 4,
                "mask_token_id": 0},
 }
-TAPS = {"eagle3": [1, 2, 3], "dflash": [2]}  # engines capture layers >= 1, each once
+TAPS = {"eagle3": [1, 2, 3], "eagle3-qk": [1, 2, 3], "dflash": [2]}  # engines capture layers >= 1, each once
 # MoE experts are fused 3-D parameters in transformers 5, not Linear modules: LoRA adapts attention there.
 MOE_LORA = {"lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 STEPS, NEW_TOKENS = 3, 24
@@ -87,7 +88,7 @@ class Cell:
     engines: str = "-"
     greedy: str = "-"
     refusal: str | None = None  # the SpecdraftError's message, where the family is refused
-    notes: list[str] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)  # format -> why its export was refused
 
     def row(self) -> list[str]:
         return [self.arch, self.family, self.trains, self.exports, self.engines, self.greedy]
@@ -136,19 +137,20 @@ def same_weights(a: Path, b: Path) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def engine_check(family: str, fmt: str, out: Path, target: FrozenTarget, drafter) -> str:
+def engine_check(name: str, fmt: str, out: Path, target: FrozenTarget, drafter) -> str:
     """The engines' loaders, as tests/ re-implements them, on one export: what loads it."""
+    family = DRAFTERS[name]["family"]
     if family == "eagle3":
         from test_export import (assert_same_logits, eagle3_logits, sglang_eagle3_loads, speculators_eagle3_loads,
                                  vllm_eagle3_loads)
         if fmt == "sglang":
-            _, w = sglang_eagle3_loads(out, target)
-            if target.config.rope_parameters["rope_type"] == "default":  # test_export's RoPE has no scaling
+            consumers = {"SGLang": sglang_eagle3_loads(out, target)[1]}
+        else:
+            consumers = {"vLLM": vllm_eagle3_loads(out, target)[2], "speculators": speculators_eagle3_loads(out, target)}
+        if target.config.rope_parameters["rope_type"] == "default":  # test_export's RoPE has no scaling
+            for w in consumers.values():  # the draft logits through each consumer's weights are specdraft's
                 assert_same_logits(eagle3_logits(w, target), drafter, target)
-            return "SGLang"
-        vllm_eagle3_loads(out, target)
-        speculators_eagle3_loads(out, target)
-        return "vLLM, speculators"
+        return ", ".join(consumers)
     if family == "eagle1":
         from test_export import sglang_eagle1_loads, vllm_eagle1_loads
         (sglang_eagle1_loads if fmt == "sglang" else vllm_eagle1_loads)(out, target)
@@ -179,13 +181,13 @@ def engine_check(family: str, fmt: str, out: Path, target: FrozenTarget, drafter
     return "transformers"
 
 
-def formats_of(family: str) -> list[str]:
-    engine = [f for f in FAMILIES[family].exporters if f != "hf"]
+def formats_of(name: str) -> list[str]:
+    engine = [f for f in FAMILIES[DRAFTERS[name]["family"]].exporters if f != "hf"]
     return engine or ["hf"]
 
 
 def run_cell(arch: str, family: str, root: Path) -> Cell:
-    """One (architecture, family) cell under ``root`` (a fresh folder): see the module docstring."""
+    """One (architecture, family) cell (``family``: a key of DRAFTERS) under ``root`` (a fresh folder): see the module docstring."""
     cell = Cell(arch, family)
     root.mkdir(parents=True, exist_ok=True)
     target_dir = target_folder(arch, str(root.parent / "targets"))
@@ -209,12 +211,12 @@ def run_cell(arch: str, family: str, root: Path) -> Cell:
         try:
             export(straight, fmt, out)
         except SpecdraftError as e:
-            cell.notes.append(f"{fmt}: {e}")
+            cell.notes[fmt] = str(e)
             exported.append(f"{fmt}: refused")
             continue
         exported.append(fmt)
         engines.append(engine_check(family, fmt, out, target, drafter))
-        if not isinstance(exporter_for(family, fmt), FolderExporter):  # a drafter folder: it reads back
+        if not isinstance(exporter_for(DRAFTERS[family]["family"], fmt), FolderExporter):  # a drafter folder: it reads back
             load_exported(out, target)
     cell.exports = ", ".join(exported)
     cell.engines = "; ".join(engines) or "none"

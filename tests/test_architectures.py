@@ -28,13 +28,19 @@ REFUSED = {
     ("mixtral", "eagle1"): "vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 models for dense Llama and Qwen2 layers only",
     ("gemma3", "eagle1"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
     ("gemma3", "eagle3"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
+    ("gemma3", "eagle3-qk"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
     ("gemma3", "dflash"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
 }
-# Cells that train but whose engine exports are refused: what each export's refusal says.
+# Cells that train but some of whose engine exports are refused: format -> what the refusal says.
+SGLANG_HAS_NO_QK_NORM = {"sglang": "LlamaForCausalLMEagle3 .* without QK-norm"}
+NOT_CAPTURED = "serves {} drafts only on targets whose model captures the tapped layers"
 EXPORT_REFUSED = {
-    ("mixtral", "eagle3"): "serves EAGLE-3 drafts only on targets whose model captures the tapped layers",
-    ("mixtral", "dflash"): "serves DFlash drafts only on targets whose model captures the tapped layers",
-    ("qwen3", "eagle1"): "EAGLE-1 models for .* only; this drafter's layer is a qwen3 layer",
+    ("mixtral", "eagle3"): {fmt: NOT_CAPTURED.format("EAGLE-3") for fmt in ("sglang", "vllm")},
+    ("mixtral", "eagle3-qk"): {"sglang": "without QK-norm", "vllm": NOT_CAPTURED.format("EAGLE-3")},
+    ("mixtral", "dflash"): {fmt: NOT_CAPTURED.format("DFlash") for fmt in ("sglang", "vllm")},
+    ("qwen3", "eagle1"): {fmt: "EAGLE-1 models for .* only; this drafter's layer is a qwen3 layer"
+                          for fmt in ("sglang", "vllm")},
+    **{(arch, "eagle3-qk"): SGLANG_HAS_NO_QK_NORM for arch in ("llama3", "qwen3", "qwen3_moe", "mistral")},
 }
 
 
@@ -48,11 +54,11 @@ def test_every_family_on_every_architecture(arch, family, tmp_path_factory):
         return
     assert cell.refusal is None, cell.refusal
     assert cell.trains.startswith("yes") and cell.greedy.startswith("yes")
-    if (arch, family) in EXPORT_REFUSED:
-        assert cell.engines == "none" and cell.notes
-        assert all(re.search(EXPORT_REFUSED[arch, family], n) for n in cell.notes), cell.notes
-    else:
-        assert "refused" not in cell.exports and cell.engines != "none", (cell.exports, cell.notes)
+    refused = EXPORT_REFUSED.get((arch, family), {})
+    assert cell.notes.keys() == refused.keys(), cell.notes
+    for fmt, pattern in refused.items():
+        assert re.search(pattern, cell.notes[fmt]), cell.notes[fmt]
+    assert (cell.engines == "none") == (len(refused) == len(cell.exports.split(", ")))
 
 
 # -- what the frozen target does on these architectures -------------------------------------------------------
