@@ -91,7 +91,9 @@ class Cell:
     notes: dict[str, str] = field(default_factory=dict)  # format -> why its export was refused
 
     def row(self) -> list[str]:
-        return [self.arch, self.family, self.trains, self.exports, self.engines, self.greedy]
+        drafter = DRAFTERS[self.family]
+        shown = self.family if self.family in FAMILIES else f"{drafter['family']}, draft_layer: {drafter['draft_layer']}"
+        return [self.arch, shown, self.trains, self.exports, self.engines, self.greedy]
 
 
 def target_config(arch: str, vocab_size: int):
