@@ -13,6 +13,7 @@ were made and verified, not how good a drafter is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         for arch in args.arch:
             for family in args.family:
-                cell = run_cell(arch, family, Path(work) / "cells" / f"{arch}-{family}")
+                with contextlib.redirect_stdout(sys.stderr):  # training's own prints ("resumed from ...")
+                    cell = run_cell(arch, family, Path(work) / "cells" / f"{arch}-{family}")
                 rows.append(cell.row())
                 if cell.refusal:
                     refusals.append(f"- {arch} / {family}: {cell.refusal}")

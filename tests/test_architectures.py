@@ -24,9 +24,8 @@ from specdraft.train import train
 
 # Cells where training is refused, and the limit the message must name.
 REFUSED = {
-    ("qwen3_moe", "eagle1"): "vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 models for dense Llama and Qwen2 layers only",
-    ("mixtral", "eagle1"): "vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 models for dense Llama and Qwen2 layers only",
-    ("gemma3", "eagle1"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
+    **{(arch, "eagle1"): "a copy of the target's own decoder layer, here .*vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 "
+                         "models for dense Llama and Qwen2 layers only" for arch in ("qwen3_moe", "mixtral", "gemma3")},
     ("gemma3", "eagle3"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
     ("gemma3", "eagle3-qk"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
     ("gemma3", "dflash"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",

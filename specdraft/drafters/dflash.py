@@ -91,8 +91,6 @@ from ..decoding.sampling import draw_drafts
 from ..errors import SpecdraftError
 from .eagle3 import Eagle3MLP
 from .eagle_common import (
-    MOE_LAYERS,
-    SUPPORTED_LAYERS,
     DraftCache,
     attend,
     check_target_architecture,
@@ -476,7 +474,7 @@ class DFlashDraftSource:
 
 def check_target_layers(target) -> None:
     """DFlash's layers take the target's dimensions and RoPE, and read its residual stream: EAGLE-3's targets."""
-    check_target_architecture(target, SUPPORTED_LAYERS + MOE_LAYERS, "DFlash")
+    check_target_architecture(target, "DFlash")
 
 
 def build_dflash(target, cfg: DFlashConfig, draft_vocab=None, taps: tuple[int, ...] | None = None) -> DFlashDrafter:

@@ -60,8 +60,6 @@ from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss
 from ..masks import block_causal_mask, shift_left
 from .eagle_common import (
-    MOE_LAYERS,
-    SUPPORTED_LAYERS,
     BorrowsTargetWeights,
     DraftCache,
     KVCache,
@@ -318,7 +316,7 @@ def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = Non
     It reads ``taps``, else the layers the target already taps (the recipe's ``target.taps``), else
     layers 2, N//2 and N-3.
     """
-    check_target_architecture(target, SUPPORTED_LAYERS + MOE_LAYERS, "EAGLE-3")
+    check_target_architecture(target, "EAGLE-3")
     taps = taps or target.taps or eagle3_default_taps(target.num_layers)
     if len(taps) != 3:
         raise SpecdraftError(

@@ -46,10 +46,10 @@ class EagleNetwork(Protocol):
         """[..., N] float32 logits over the draft vocabulary."""
 
 
-# Decoder layers whose config, rotary embedding and RMSNorm conventions the EAGLE drafters follow: their
+# Decoder layers whose config, rotary embedding and RMSNorm conventions the EAGLE and DFlash drafters follow: their
 # input is the residual stream (HF's hidden_states[i], what vLLM and SGLang capture as hidden + residual).
-# EAGLE-1's draft layer is a copy of the target's own layer, so it takes only the dense ones the engines have
-# EAGLE-1 models for; EAGLE-3's is its own Llama layer, so mixture-of-experts targets serve too.
+# EAGLE-1's draft layer is a copy of the target's own layer, so it takes only the dense ones; EAGLE-3 and DFlash
+# build their own layers, so mixture-of-experts targets serve too.
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 MOE_LAYERS = ("Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
 # Why no EAGLE drafter taps these (checked against vLLM 0.33.0 and sglang 0.5.23, the PyPI wheels).
@@ -63,25 +63,29 @@ REFUSED_LAYERS = {
 }
 
 
-def check_target_architecture(target, layers: tuple[str, ...] = SUPPORTED_LAYERS, family: str = "EAGLE") -> type:
-    """The target's decoder layer class, if ``family`` can tap and mirror it; else a clear error."""
+def check_target_architecture(target, family: str) -> type:
+    """The target's decoder layer class, if ``family`` (EAGLE-1, EAGLE-3, DFlash) can serve on it; else a clear
+    error. EAGLE-1 copies the target's layer; EAGLE-3 and DFlash tap its layers' inputs and build their own."""
     layer_cls = type(target.layers[0])
-    name = layer_cls.__name__
+    name, model_type = layer_cls.__name__, target.config.model_type
+    if family == "EAGLE-1":
+        if name not in SUPPORTED_LAYERS:
+            raise SpecdraftError(
+                f"EAGLE-1's draft layer is a copy of the target's own decoder layer, here {name} ({model_type}): "
+                "vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 models for dense Llama and Qwen2 layers only, and specdraft "
+                f"copies {', '.join(SUPPORTED_LAYERS)}. Train eagle3 (its own Llama draft layer) where the engines "
+                "capture the target's layers, or medusa1, medusa2, mlp_speculator or distillspec."
+            )
+        return layer_cls
     if name in REFUSED_LAYERS:
         raise SpecdraftError(
-            f"{family} drafters cannot serve on this target ({target.config.model_type}, {name}): "
-            f"{REFUSED_LAYERS[name]}. Train medusa1, medusa2, mlp_speculator or distillspec for it."
+            f"{family} drafters cannot serve on this target ({model_type}, {name}): {REFUSED_LAYERS[name]}. Train "
+            "medusa1, medusa2, mlp_speculator or distillspec for it."
         )
-    if name in MOE_LAYERS and name not in layers:
+    if name not in SUPPORTED_LAYERS + MOE_LAYERS:
         raise SpecdraftError(
-            f"{family}'s draft layer is a copy of the target's own decoder layer, and this target's "
-            f"({target.config.model_type}) is a mixture-of-experts layer: vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 "
-            "models for dense Llama and Qwen2 layers only. Train eagle3 (its own Llama draft layer) on this target."
-        )
-    if name not in layers:
-        raise SpecdraftError(
-            f"{family} drafters support targets built from {', '.join(layers)}; this target "
-            f"({target.config.model_type}) uses {name}. Use one of those targets, or another drafter family "
+            f"{family} drafters support targets built from {', '.join(SUPPORTED_LAYERS + MOE_LAYERS)}; this target "
+            f"({model_type}) uses {name}. Use one of those targets, or another drafter family "
             "(medusa1, medusa2, mlp_speculator and distillspec read only the final hidden state or the logits)."
         )
     return layer_cls

@@ -144,9 +144,10 @@ def _layer_fields(saved: dict, tensors: dict, model_type: str, vocab_size: int) 
 # and DFlash drafters tap. vLLM 0.33.0: the target's model class implements SupportsEagle3
 # (v1/worker/gpu_model_runner.py raises "Model does not support EAGLE3 interface" otherwise; DFlash also runs on
 # aux hidden states): llama.py (MistralForCausalLM subclasses it), qwen2.py, qwen3.py, qwen3_moe.py; mixtral.py
-# does not. sglang 0.5.23: the model class has set_eagle3_layers_to_capture (llama.py, which mistral.py
-# subclasses, qwen2.py, qwen3.py, qwen3_moe.py) or set_dflash_layers_to_capture (llama.py, qwen3.py,
-# qwen3_moe.py); mixtral.py has neither.
+# does not. sglang 0.5.23 (model_executor/model_runner_components/attention_backend_setup.py raises without
+# them): the model class has set_eagle3_layers_to_capture (llama.py, which mistral.py subclasses, qwen2.py,
+# qwen3.py, qwen3_moe.py) or set_dflash_layers_to_capture (llama.py, qwen3.py, qwen3_moe.py); mixtral.py has
+# neither.
 SERVED_TARGETS = {
     ("vLLM", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
     ("SGLang", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
