@@ -24,7 +24,7 @@ from specdraft.train import train
 
 # Cells where training is refused, and the limit the message must name.
 REFUSED = {
-    **{(arch, "eagle1"): "a copy of the target's own decoder layer, here .*vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 "
+    **{(arch, "eagle1"): "a copy of the target's own decoder layer: .*vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 "
                          "models for dense Llama and Qwen2 layers only" for arch in ("qwen3_moe", "mixtral", "gemma3")},
     ("gemma3", "eagle3"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
     ("gemma3", "eagle3-qk"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",

@@ -71,10 +71,11 @@ def check_target_architecture(target, family: str) -> type:
     if family == "EAGLE-1":
         if name not in SUPPORTED_LAYERS:
             raise SpecdraftError(
-                f"EAGLE-1's draft layer is a copy of the target's own decoder layer, here {name} ({model_type}): "
-                "vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 models for dense Llama and Qwen2 layers only, and specdraft "
-                f"copies {', '.join(SUPPORTED_LAYERS)}. Train eagle3 (its own Llama draft layer) where the engines "
-                "capture the target's layers, or medusa1, medusa2, mlp_speculator or distillspec."
+                f"EAGLE-1's draft layer is a copy of the target's own decoder layer: specdraft copies "
+                f"{', '.join(SUPPORTED_LAYERS)}, and this target ({model_type}) uses {name}; vLLM 0.33 and SGLang "
+                "0.5.23 have EAGLE-1 models for dense Llama and Qwen2 layers only. Train eagle3 (its own Llama draft "
+                "layer) where the engines capture the target's layers, or medusa1, medusa2, mlp_speculator or "
+                "distillspec."
             )
         return layer_cls
     if name in REFUSED_LAYERS:
