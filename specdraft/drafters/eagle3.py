@@ -39,7 +39,12 @@ Parameter names are SGLang's, so export is a copy: ``fc``, ``midlayer.*``, ``nor
 Exports (``eagle_export.py``): ``sglang`` (``LlamaForCausalLMEagle3``, which the EAGLE repo's
 ``EaModel`` loads too), ``vllm`` (the speculators ``Eagle3Speculator`` format, which vLLM and the
 speculators library load) and ``hf`` (specdraft's own folder); both engine formats ship the target's
-``embed_tokens``.
+``embed_tokens``. ``draft_layer: qwen3`` gives the draft layer QK-norm (``midlayer.self_attn.{q,k}_norm``): vLLM
+serves it as ``Eagle3Qwen3ForCausalLM``; SGLang has no such draft, so its export is refused.
+
+Targets: dense Llama, Mistral, Qwen2, Qwen3 and mixture-of-experts Qwen3-MoE and Mixtral (the taps are the layers'
+inputs, which the router does not touch); each engine export checks that the engine captures the target's layers
+(``eagle_export.SERVED_TARGETS``: not Mixtral). Gemma-3 is refused (``eagle_common.REFUSED_LAYERS``).
 """
 
 from __future__ import annotations
