@@ -60,6 +60,7 @@ ARCHITECTURES = {
                                          layer_types=["sliding_attention", "full_attention"] * 2,
                                          final_logit_softcapping=5.0, query_pre_attn_scalar=16)),
     "mistral": (tf.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": (tf.Qwen2Config, dict(tie_word_embeddings=False)),  # q/k/v biases
 }
 MOE = ("qwen3_moe", "mixtral")
 DRAFTERS = {

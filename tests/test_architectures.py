@@ -1,4 +1,4 @@
-"""Targets beyond Llama: Llama-3 RoPE scaling, Qwen3, Qwen3-MoE, Mixtral, Gemma-3 and Mistral, with every family.
+"""Targets beyond Llama: Llama-3 RoPE scaling, Qwen3, Qwen3-MoE, Mixtral, Gemma-3, Mistral, Qwen2, with every family.
 
 Each (architecture, family) cell of tests/arch_matrix.py trains 3 steps, resumes bit-exactly, exports to every
 engine format, passes the engines' re-implemented loaders, reads back, and decodes greedy-identically to
@@ -39,7 +39,10 @@ EXPORT_REFUSED = {
     ("mixtral", "dflash"): {fmt: NOT_CAPTURED.format("DFlash") for fmt in ("sglang", "vllm")},
     ("qwen3", "eagle1"): {fmt: "EAGLE-1 models for .* only; this drafter's layer is a qwen3 layer"
                           for fmt in ("sglang", "vllm")},
-    **{(arch, "eagle3-qk"): SGLANG_HAS_NO_QK_NORM for arch in ("llama3", "qwen3", "qwen3_moe", "mistral")},
+    **{(arch, "eagle3-qk"): SGLANG_HAS_NO_QK_NORM for arch in ("llama3", "qwen3", "qwen3_moe", "mistral", "qwen2")},
+    ("qwen2", "eagle1"): {"vllm": "vLLM has EAGLE-1 models for LlamaForCausalLM .* only; this drafter's layer is a "
+                                  "qwen2 layer"},
+    ("qwen2", "dflash"): {"sglang": NOT_CAPTURED.format("DFlash")},
 }
 
 
