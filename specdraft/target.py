@@ -86,6 +86,10 @@ class FrozenTarget(nn.Module):
     def __init__(self, model: nn.Module, needs: TargetNeeds | None = None, tokenizer=None):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
+        # A mixture-of-experts config may ask every forward to collect each layer's router logits (for the
+        # auxiliary load-balancing loss): a frozen target has no use for them, so none are kept.
+        if getattr(model.config, "output_router_logits", False):
+            model.config.output_router_logits = False
         self.tokenizer = tokenizer
         base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
         layers = getattr(base, "layers", None)
@@ -254,15 +258,21 @@ class FrozenTarget(nn.Module):
         if logits == "none":
             return None
         if logits == "last":
-            return self.lm_head(hidden[:, -1:]).float()
+            return self._softcapped(self.lm_head(hidden[:, -1:]).float())
         if logits == "full":
-            return self.lm_head(hidden).float()
+            return self._softcapped(self.lm_head(hidden).float())
         if logits != "draft_rows":
             raise SpecdraftError(f"logits must be none, full, draft_rows or last, got {logits!r}")
         if rows is None:
             raise SpecdraftError("logits='draft_rows' needs rows: the target ids of the draft vocabulary")
         weight, bias = self._rows_of_head(rows)
-        return F.linear(hidden, weight, bias).float()  # [B, T, N]: the V-wide logits are never formed
+        return self._softcapped(F.linear(hidden, weight, bias).float())  # [B, T, N]: no V-wide logits formed
+
+    def _softcapped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's own final logit soft-capping, cap * tanh(logits / cap) (Gemma 2 and 3), where it has one:
+        the target's distribution is that of its ``forward``/``generate``, not of the bare LM head."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _rows_of_head(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The LM head's rows ``rows``, gathered once and kept while the same ``rows`` tensor is asked for

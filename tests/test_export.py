@@ -141,9 +141,10 @@ STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_
 
 
 def layer_params(prefix, c, qkv_in, qkv_bias=False, o_bias=False, mlp_bias=False, input_norm=True,
-                 hidden_norm=False, fused=True, head_dim=None):
+                 hidden_norm=False, fused=True, head_dim=None, qk_norm=False):
     """A Llama attention + MLP + norms as the consumer builds them; name -> {shard: shape}.
-    fused: vLLM/SGLang (qkv_proj, gate_up_proj); else transformers-style separate projections."""
+    fused: vLLM/SGLang (qkv_proj, gate_up_proj); else transformers-style separate projections.
+    qk_norm: a Qwen3 layer's q_norm / k_norm (over head_dim)."""
     H, I = c["hidden_size"], c["intermediate_size"]
     hd = head_dim or c.get("head_dim") or H // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -174,6 +175,8 @@ def layer_params(prefix, c, qkv_in, qkv_bias=False, o_bias=False, mlp_bias=False
     for norm, present in (("input_layernorm", input_norm), ("hidden_norm", hidden_norm)):
         if present:
             params[f"{prefix}.{norm}.weight"] = {None: (H,)}
+    if qk_norm:
+        params |= {f"{prefix}.self_attn.{n}.weight": {None: (hd,)} for n in ("q_norm", "k_norm")}
     return params
 
 
@@ -206,9 +209,15 @@ def value(loaded, name, order=(None,)):
     return torch.cat([loaded[name][s] for s in order]) if len(order) > 1 else loaded[name][order[0]]
 
 
+def qk_norms(loaded, prefix):
+    """A Qwen3 layer's q_norm / k_norm weights, where the consumer has them."""
+    names = {"q_norm": f"{prefix}.self_attn.q_norm.weight", "k_norm": f"{prefix}.self_attn.k_norm.weight"}
+    return {key: value(loaded, name) for key, name in names.items() if name in loaded}
+
+
 def fused_layer(loaded, prefix, bias=False, o_bias=False):
     """q/k/v and gate/up of a vLLM/SGLang layer, in the fused layout its forward splits."""
-    w = {"qkv": value(loaded, f"{prefix}.self_attn.qkv_proj.weight", "qkv"),
+    w = {**qk_norms(loaded, prefix),"qkv": value(loaded, f"{prefix}.self_attn.qkv_proj.weight", "qkv"),
          "o": value(loaded, f"{prefix}.self_attn.o_proj.weight"),
          "gate_up": value(loaded, f"{prefix}.mlp.gate_up_proj.weight", (0, 1)),
          "down": value(loaded, f"{prefix}.mlp.down_proj.weight"),
@@ -222,7 +231,7 @@ def fused_layer(loaded, prefix, bias=False, o_bias=False):
 
 def split_layer(loaded, prefix, qkv_bias=False):
     """The same from separate projections (speculators, EaModel), stacked as a fused layer would be."""
-    w = {"qkv": torch.cat([value(loaded, f"{prefix}.self_attn.{p}_proj.weight") for p in "qkv"]),
+    w = {**qk_norms(loaded, prefix),"qkv": torch.cat([value(loaded, f"{prefix}.self_attn.{p}_proj.weight") for p in "qkv"]),
          "o": value(loaded, f"{prefix}.self_attn.o_proj.weight"),
          "gate_up": torch.cat([value(loaded, f"{prefix}.mlp.{p}_proj.weight") for p in ("gate", "up")]),
          "down": value(loaded, f"{prefix}.mlp.down_proj.weight"),
@@ -268,6 +277,8 @@ def attention(x, w):
         qkv = qkv + w["qkv_bias"]
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
     q, k, v = (t.view(B, T, -1, d).transpose(1, 2) for t in (q, k, v))
+    if "q_norm" in w:  # Qwen3 layers: each head's q and k RMS-normed before RoPE
+        q, k = rms_norm(q, w["q_norm"], w["eps"]), rms_norm(k, w["k_norm"], w["eps"])
     q, k = rotate(q, w["theta"]), rotate(k, w["theta"])
     k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
@@ -413,7 +424,9 @@ def vllm_eagle3_loads(folder, target):
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         c[key] = d.get(key, False)
     assert c["norm_output"] is False  # the next step's hidden is the pre-norm output (ours)
-    assert c["model_type"] == "llama"  # eagle3_arch_map -> Eagle3LlamaForCausalLM
+    assert c["model_type"] in ("llama", "qwen3")  # eagle3_arch_map -> Eagle3LlamaForCausalLM, Eagle3Qwen3ForCausalLM
+    qk_norm = c["model_type"] == "qwen3"  # qwen3_eagle3.py: Qwen3DecoderLayer's q_norm / k_norm
+    assert not qk_norm or all(t == "full_attention" for t in c["layer_types"])  # no sliding window
     c["eagle_aux_hidden_state_layer_ids"] = d["eagle_aux_hidden_state_layer_ids"]
 
     H = c["hidden_size"]
@@ -431,7 +444,7 @@ def vllm_eagle3_loads(folder, target):
         "model.norm.weight": {None: (H,)},
         "lm_head.weight": {None: (N, H)},
         **layer_params("model.layers.0", c, qkv_in=2 * H, qkv_bias=c.get("attention_bias", False),
-                       o_bias=attention_bias, mlp_bias=c.get("mlp_bias", False), hidden_norm=True),
+                       o_bias=attention_bias, mlp_bias=c.get("mlp_bias", False), hidden_norm=True, qk_norm=qk_norm),
     }
     target_vocab = target.config.vocab_size  # model_config.get_vocab_size(): the target's
     if N != target_vocab:
@@ -497,7 +510,7 @@ def speculators_eagle3_loads(folder, target):
         "verifier_lm_head.weight": {None: (N, H)},
         "verifier_norm.weight": {None: (H,)},
         **layer_params("layers.0", tc, qkv_in=2 * H, qkv_bias=tl.attention_bias, o_bias=tl.attention_bias,
-                       mlp_bias=tl.mlp_bias, hidden_norm=True, fused=False),
+                       mlp_bias=tl.mlp_bias, hidden_norm=True, fused=False, qk_norm=tl.model_type == "qwen3"),
     }
     if use_draft_vocab:  # persistent buffers
         params |= {"d2t": {None: (N,)}, "t2d": {None: (V,)}}

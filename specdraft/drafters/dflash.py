@@ -92,13 +92,19 @@ from ..decoding.sampling import draw_drafts
 from ..errors import SpecdraftError
 from ..optim import recipe_optimization
 from .eagle3 import Eagle3MLP
-from .eagle_common import DraftCache, attend, head_dim_of, make_rotary, rotate_half
-from .eagle_export import _layer_fields
+from .eagle_common import (
+    DraftCache,
+    attend,
+    check_target_architecture,
+    head_dim_of,
+    make_rotary,
+    rotate_half,
+)
+from .eagle_export import _layer_fields, check_served_target
 from .folder import check_same_target, read_drafter_folder, target_config_dict, write_drafter_folder
 
 FAMILY = "dflash"
 DRAFT_LAYERS = ("qwen3", "llama")  # qwen3: with QK-norm, the layer vLLM and SGLang load; llama: without
-SUPPORTED_TARGETS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 
 
 @dataclass
@@ -472,10 +478,8 @@ class DFlashDraftSource:
 
 
 def check_target_layers(target) -> None:
-    name = type(target.layers[0]).__name__
-    if name not in SUPPORTED_TARGETS:
-        raise SpecdraftError(f"DFlash drafters take their layers' dimensions and RoPE from targets built from "
-                             f"{', '.join(SUPPORTED_TARGETS)}; this target ({target.config.model_type}) uses {name}")
+    """DFlash's layers take the target's dimensions and RoPE, and read its residual stream: EAGLE-3's targets."""
+    check_target_architecture(target, "DFlash")
 
 
 def build_dflash(target, cfg: DFlashConfig, draft_vocab=None, taps: tuple[int, ...] | None = None) -> DFlashDrafter:
@@ -531,6 +535,7 @@ def _engine_layers(saved: dict, tensors: dict, engine: str) -> dict:
     """The draft's layers as the Qwen3 config both engines build DFlash layers from (num_hidden_layers = the
     draft's), after refusing what their layer cannot run."""
     cfg = saved["config"]
+    check_served_target(saved, engine, "DFlash")
     if cfg["draft_layer"] != "qwen3":
         raise SpecdraftError(f"{engine}'s DFlash layers are Qwen3 layers (with QK-norm); this drafter's draft_layer is "
                              f"{cfg['draft_layer']!r}, which {engine} does not have. Retrain with draft_layer: qwen3, "

@@ -99,7 +99,7 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
 
     def __init__(self, target, cfg: Eagle1Config):
         super().__init__()
-        layer_cls = check_target_architecture(target)
+        layer_cls = check_target_architecture(target, "EAGLE-1")
         hidden = target.hidden_size
         self.config = cfg
         self.target_config = target.config

@@ -39,7 +39,12 @@ Parameter names are SGLang's, so export is a copy: ``fc``, ``midlayer.*``, ``nor
 Exports (``eagle_export.py``): ``sglang`` (``LlamaForCausalLMEagle3``, which the EAGLE repo's
 ``EaModel`` loads too), ``vllm`` (the speculators ``Eagle3Speculator`` format, which vLLM and the
 speculators library load) and ``hf`` (specdraft's own folder); both engine formats ship the target's
-``embed_tokens``.
+``embed_tokens``. ``draft_layer: qwen3`` gives the draft layer QK-norm (``midlayer.self_attn.{q,k}_norm``): vLLM
+serves it as ``Eagle3Qwen3ForCausalLM``; SGLang has no such draft, so its export is refused.
+
+Targets: dense Llama, Mistral, Qwen2, Qwen3 and mixture-of-experts Qwen3-MoE and Mixtral (the taps are the layers'
+inputs, which the router does not touch); each engine export checks that the engine captures the target's layers
+(``eagle_export.SERVED_TARGETS``: not Mixtral). Gemma-3 is refused (``eagle_common.REFUSED_LAYERS``).
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ from .eagle_losses import draft_vocab_probs, label_in_draft_vocab, ttt_step_weig
 from .folder import check_same_target, read_drafter_folder
 
 
+DRAFT_LAYERS = ("llama", "qwen3")
+
+
 @dataclass
 class Eagle3Config:
     """EAGLE-3 hyper-parameters; defaults are the paper's / reference code's."""
@@ -85,6 +93,10 @@ class Eagle3Config:
     draft_vocab_size: int | None = 32000
     # Each step's loss against p (losses.DRAFTER_LOSSES): ce, the paper's; tvd, lk_alpha, lk_hybrid aim at acceptance.
     loss: str = "ce"
+    # The draft layer (DRAFT_LAYERS): llama, the reference's, which vLLM and SGLang serve on every target they
+    # capture layers of; qwen3 adds QK-norm (an RMSNorm over each head's queries and keys before RoPE), vLLM's
+    # Eagle3Qwen3ForCausalLM, which SGLang 0.5.23 does not have.
+    draft_layer: str = "llama"
 
     # The EAGLE-3 reference's optimizer (eagle/traineagle3/ds_config.json): AdamW betas (0.9, 0.95), no weight
     # decay, gradient-norm clipping at 0.5, and DeepSpeed's WarmupDecayLR: a warmup to the peak lr 5e-5 over
@@ -103,6 +115,9 @@ class Eagle3Config:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecdraftError("drafter.draft_vocab_size must be >= 1, or null for the full vocabulary")
         check_drafter_loss(self.loss)
+        if self.draft_layer not in DRAFT_LAYERS:
+            raise SpecdraftError(f"drafter.draft_layer must be one of {', '.join(DRAFT_LAYERS)}, got "
+                                 f"{self.draft_layer!r} (llama: the EAGLE-3 reference's; qwen3: with QK-norm)")
 
     def uses_reduced_vocab(self, target_vocab_size: int) -> bool:
         """Whether a DraftVocab must be built from the data (else the full vocabulary is used)."""
@@ -128,12 +143,17 @@ def eagle3_needs(cfg: Eagle3Config, target_config) -> TargetNeeds:
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H [embedding; hidden] input."""
+    """Llama attention whose q/k/v read the 2H [embedding; hidden] input; with ``qk_norm``, Qwen3's: each head's
+    queries and keys RMS-normed (weights over head_dim) before RoPE."""
 
-    def __init__(self, config):
+    def __init__(self, config, qk_norm: bool = False):
         super().__init__()
         hidden, self.head_dim = config.hidden_size, head_dim_of(config)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if qk_norm:
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.qk_norm = qk_norm
         self.q_proj = nn.Linear(2 * hidden, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=False)
@@ -141,8 +161,11 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: TrainingTimeTestKeys | DraftCache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
         if isinstance(cache, TrainingTimeTestKeys):  # training: earlier TTT steps' keys, mask = step 0's
@@ -168,10 +191,10 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, qk_norm: bool = False):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = Eagle3Attention(config, qk_norm)
         self.mlp = Eagle3MLP(config)
         self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)  # on the token embedding
         self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)  # on the incoming hidden
@@ -192,7 +215,7 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         self.config, self.target_config = cfg, config
         self.needs = TargetNeeds(logits="draft_rows" if draft_vocab.size < target.vocab_size else "full", taps=taps)
         self.fc = nn.Linear(3 * config.hidden_size, config.hidden_size, bias=False)
-        self.midlayer = Eagle3DecoderLayer(config)
+        self.midlayer = Eagle3DecoderLayer(config, qk_norm=cfg.draft_layer == "qwen3")
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, draft_vocab.size, bias=False)
         self.register_buffer("d2t", draft_vocab.d2t.clone())  # target_id = draft_id + d2t[draft_id]
@@ -298,7 +321,7 @@ def build_eagle3(target, cfg: Eagle3Config, draft_vocab: DraftVocab | None = Non
     It reads ``taps``, else the layers the target already taps (the recipe's ``target.taps``), else
     layers 2, N//2 and N-3.
     """
-    check_target_architecture(target)
+    check_target_architecture(target, "EAGLE-3")
     taps = taps or target.taps or eagle3_default_taps(target.num_layers)
     if len(taps) != 3:
         raise SpecdraftError(

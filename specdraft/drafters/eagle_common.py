@@ -56,18 +56,48 @@ class EagleNetwork(Protocol):
         """[..., N] float32 logits over the draft vocabulary."""
 
 
-# Decoder layers whose config, rotary embedding and RMSNorm conventions the EAGLE drafters follow.
+# Decoder layers whose config, rotary embedding and RMSNorm conventions the EAGLE and DFlash drafters follow: their
+# input is the residual stream (HF's hidden_states[i], what vLLM and SGLang capture as hidden + residual).
+# EAGLE-1's draft layer is a copy of the target's own layer, so it takes only the dense ones; EAGLE-3 and DFlash
+# build their own layers, so mixture-of-experts targets serve too.
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+MOE_LAYERS = ("Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
+# Why no EAGLE drafter taps these (checked against vLLM 0.33.0 and sglang 0.5.23, the PyPI wheels).
+REFUSED_LAYERS = {
+    "Gemma3DecoderLayer": (
+        "vLLM 0.33's Gemma3ForCausalLM (model_executor/models/gemma3.py) does not implement SupportsEagle3, so it "
+        "captures no layer for a draft; SGLang 0.5.23's gemma3_causal.py captures a layer's output without its "
+        "residual (not the hidden + residual the draft is trained on) and hands the draft the unscaled embedding, "
+        "and Gemma's sqrt(hidden) embedding scale, (1 + w) norms and per-layer-type RoPE are not the Llama layer's"
+    ),
+}
 
 
-def check_target_architecture(target) -> type:
-    """The target's decoder layer class, if specdraft knows it; else a clear error."""
+def check_target_architecture(target, family: str) -> type:
+    """The target's decoder layer class, if ``family`` (EAGLE-1, EAGLE-3, DFlash) can serve on it; else a clear
+    error. EAGLE-1 copies the target's layer; EAGLE-3 and DFlash tap its layers' inputs and build their own."""
     layer_cls = type(target.layers[0])
-    if layer_cls.__name__ not in SUPPORTED_LAYERS:
+    name, model_type = layer_cls.__name__, target.config.model_type
+    if family == "EAGLE-1":
+        if name not in SUPPORTED_LAYERS:
+            raise SpecdraftError(
+                f"EAGLE-1's draft layer is a copy of the target's own decoder layer: specdraft copies "
+                f"{', '.join(SUPPORTED_LAYERS)}, and this target ({model_type}) uses {name}; vLLM 0.33 and SGLang "
+                "0.5.23 have EAGLE-1 models for dense Llama and Qwen2 layers only. Train eagle3 (its own Llama draft "
+                "layer) where the engines capture the target's layers, or medusa1, medusa2, mlp_speculator or "
+                "distillspec."
+            )
+        return layer_cls
+    if name in REFUSED_LAYERS:
         raise SpecdraftError(
-            f"EAGLE drafters support targets built from {', '.join(SUPPORTED_LAYERS)}; this target "
-            f"({target.config.model_type}) uses {layer_cls.__name__}. Use a Llama, Mistral, Qwen2 or Qwen3 "
-            "target, or another drafter family (e.g. draft LM)."
+            f"{family} drafters cannot serve on this target ({model_type}, {name}): {REFUSED_LAYERS[name]}. Train "
+            "medusa1, medusa2, mlp_speculator or distillspec for it."
+        )
+    if name not in SUPPORTED_LAYERS + MOE_LAYERS:
+        raise SpecdraftError(
+            f"{family} drafters support targets built from {', '.join(SUPPORTED_LAYERS + MOE_LAYERS)}; this target "
+            f"({model_type}) uses {name}. Use one of those targets, or another drafter family "
+            "(medusa1, medusa2, mlp_speculator and distillspec read only the final hidden state or the logits)."
         )
     return layer_cls
 

@@ -86,6 +86,16 @@ EAGLE3_TENSORS = {
     *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
 }
+QK_NORM_TENSORS = {"midlayer.self_attn.q_norm.weight", "midlayer.self_attn.k_norm.weight"}  # draft_layer: qwen3
+
+
+def _eagle3_draft_layer(saved: dict) -> str:
+    """llama, or qwen3 (QK-norm); drafters saved before the choice existed have the llama layer."""
+    return saved["config"].get("draft_layer", "llama")
+
+
+def _eagle3_tensors(saved: dict) -> set[str]:
+    return EAGLE3_TENSORS | (QK_NORM_TENSORS if _eagle3_draft_layer(saved) == "qwen3" else set())
 
 
 def _rope_fields(tc: dict) -> dict:
@@ -128,6 +138,34 @@ def _layer_fields(saved: dict, tensors: dict, model_type: str, vocab_size: int) 
         "torch_dtype": dtype,
         "dtype": dtype,  # transformers 5's name for torch_dtype
     }
+
+
+# Targets (transformers model_type) each engine feeds a draft from captured layers, among those specdraft's EAGLE-3
+# and DFlash drafters tap. vLLM 0.33.0: the target's model class implements SupportsEagle3
+# (v1/worker/gpu_model_runner.py raises "Model does not support EAGLE3 interface" otherwise; DFlash also runs on
+# aux hidden states): llama.py (MistralForCausalLM subclasses it), qwen2.py, qwen3.py, qwen3_moe.py; mixtral.py
+# does not. sglang 0.5.23 (model_executor/model_runner_components/attention_backend_setup.py raises without
+# them): the model class has set_eagle3_layers_to_capture (llama.py, which mistral.py subclasses, qwen2.py,
+# qwen3.py, qwen3_moe.py) or set_dflash_layers_to_capture (llama.py, qwen3.py, qwen3_moe.py); mixtral.py has
+# neither.
+SERVED_TARGETS = {
+    ("vLLM", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
+    ("SGLang", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
+    ("vLLM", "DFlash"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
+    ("SGLang", "DFlash"): ("llama", "mistral", "qwen3", "qwen3_moe"),
+}
+
+
+def check_served_target(saved: dict, engine: str, method: str) -> None:
+    """Refuse an export for a target whose model the engine cannot feed this draft (no layer capture)."""
+    model_type = saved["target_config"].get("model_type")
+    served = SERVED_TARGETS[engine, method]
+    if model_type not in served:
+        raise SpecdraftError(
+            f"{engine} serves {method} drafts only on targets whose model captures the tapped layers "
+            f"({', '.join(served)}); its {model_type} model does not, so this drafter cannot run there. "
+            "Export --format hf, or train for a target the engine serves."
+        )
 
 
 def _served_taps(saved: dict) -> list[int]:
@@ -199,7 +237,14 @@ def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[d
         must ship both. Attention head_dim = hidden_size // num_attention_heads; RoPE from rope_theta, or
         rope_scaling {"type": linear|dynamic, "factor"} (configs.py EConfig rejects other scalings)
     """
+    if _eagle3_draft_layer(saved) != "llama":
+        raise SpecdraftError(
+            "SGLang 0.5.23's EAGLE-3 draft for these targets is LlamaForCausalLMEagle3 (srt/models/llama_eagle3.py), a "
+            f"Llama layer without QK-norm; this drafter's draft_layer is {_eagle3_draft_layer(saved)!r}. Export "
+            "--format vllm (vLLM's Eagle3Qwen3ForCausalLM runs it), or retrain with drafter.draft_layer: llama."
+        )
     _check_tensor_names(set(tensors), EAGLE3_TENSORS, "SGLang's LlamaForCausalLMEagle3")
+    check_served_target(saved, "SGLang", "EAGLE-3")
     V, N, out = _eagle3_vocab(saved, tensors)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -221,7 +266,8 @@ def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[d
 
 
 def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict, dict]:
-    """The speculators format, which vLLM serves as Eagle3LlamaForCausalLM; midlayer.* -> layers.0.*.
+    """The speculators format, which vLLM serves as Eagle3LlamaForCausalLM (Eagle3Qwen3ForCausalLM for
+    ``draft_layer: qwen3``); midlayer.* -> layers.0.*.
 
     Checked against vLLM 0.33.0 (the PyPI wheel):
       vllm/transformers_utils/configs/speculators/base.py  requires speculators_model_type,
@@ -229,7 +275,11 @@ def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dic
         and a transformer_layer_config dict, which becomes the draft's model config
       vllm/transformers_utils/configs/speculators/algos.py  update_eagle3 copies draft_vocab_size,
         target_hidden_size, norm_before_residual (missing -> True, unlike ours), norm_before_fc, fc_norm,
-        norm_output and eagle_aux_hidden_state_layer_ids; the architecture comes from model_type "llama"
+        norm_output and eagle_aux_hidden_state_layer_ids; the architecture comes from the layer config's
+        model_type (eagle3_arch_map: "llama" -> Eagle3LlamaForCausalLM, "qwen3" -> Eagle3Qwen3ForCausalLM)
+      vllm/model_executor/models/qwen3_eagle3.py  Qwen3Eagle3DecoderLayer: vLLM's Qwen3DecoderLayer (q_norm,
+        k_norm over head_dim) with qkv_proj over 2 * hidden and a hidden_norm, a sliding window only where the
+        layer config's layer_types says sliding_attention; the same loader and weight mapping as llama_eagle3.py
       vllm/model_executor/models/llama_eagle3.py  fc = num_aux * target_hidden_size -> hidden, no bias;
         q/k/v read 2 * hidden; qkv bias = attention_bias; draft_id_to_target_id exists only when
         draft_vocab_size != the target's vocab size (model_config.get_vocab_size()), and load_weights renames
@@ -253,9 +303,14 @@ def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dic
         hidden_norm; rotary from the layer config with hidden_size doubled (so head_dim is written);
         from_pretrained opens the verifier (resolve_target_layer_ids, AutoConfig.from_pretrained)
       src/speculators/models/eagle3/config.py, src/speculators/config.py, src/speculators/proposals/greedy.py
+      src/speculators/models/eagle3/model_definitions.py  model_classes: "llama" and "qwen3" first layers
+        (Qwen3DecoderEagle3FirstLayer, with its q_norm / k_norm)
     Tensor names are the ones speculators itself saves (layers.0.*).
     """
-    _check_tensor_names(set(tensors), EAGLE3_TENSORS, "vLLM's Eagle3LlamaForCausalLM")
+    draft_layer = _eagle3_draft_layer(saved)
+    engine_model = {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}[draft_layer]
+    _check_tensor_names(set(tensors), _eagle3_tensors(saved), f"vLLM's {engine_model}")
+    check_served_target(saved, "vLLM", "EAGLE-3")
     V, N, out = _eagle3_vocab(saved, tensors)
     if not opts.verifier:
         raise SpecdraftError(
@@ -263,8 +318,10 @@ def eagle3_to_vllm(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dic
             "no recipe with target.path was found next to the drafter: pass --target HUB_ID_OR_PATH."
         )
     tc = saved["target_config"]
-    layer = _layer_fields(saved, tensors, "llama", vocab_size=V)
+    layer = _layer_fields(saved, tensors, draft_layer, vocab_size=V)  # model_type picks vLLM's model
     layer.update(attention_bias=False, mlp_bias=False, eagle_config={"use_aux_hidden_state": True})
+    if draft_layer == "qwen3":  # Qwen3Eagle3DecoderLayer windows the layers layer_types says slide: none
+        layer.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"])
     config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
