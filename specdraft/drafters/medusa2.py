@@ -377,4 +377,5 @@ MERGED = FolderExporter(
 MEDUSA2 = Family(name="medusa2", config_cls=Medusa2Config, needs=medusa2_needs, build=build_medusa2,
                  load=load_medusa2, exporters={"merged": MERGED}, needs_draft_vocab=True,
                  lr_schedule=medusa_lr_schedule, lr_multipliers=lambda cfg: {"heads.": cfg.head_lr_multiplier},
-                 unused_parameters=True, eval_report=drift_report)
+                 unused_parameters=True, eval_report=drift_report,
+                 selftest_settings={"num_heads": 3, "num_layers": 1, "lora_r": 8, "joint_from_step": 0})
