@@ -350,8 +350,8 @@ def temperature_sections(results: dict) -> list[str]:
             f"{m} {s['overall']['verify_cost']:.2f} -> {s['overall']['predicted_speedup_measured_verify']:.2f}x"
             for m, s in result["methods"].items() if s["overall"]["verify_cost"] is not None), ""]
         for k, plain in result.get("plain_of_other_k", {}).items():
-            lines += [f"the K={k} methods' speedups are over their own evaluate's plain decoding: "
-                      f"{plain['tokens_per_second']:.1f} tok/s", ""]
+            lines += [(f"the K={k} methods' speedups are over their own evaluate's plain decoding: "
+                       f"{plain['tokens_per_second']:.1f} tok/s"), ""]
         if "greedy_identical" in result:
             lines += ["greedy output identical to plain decoding: " + ", ".join(
                 f"{m} {v:.0%}" for m, v in result["greedy_identical"].items()), ""]
