@@ -206,8 +206,12 @@ def evaluate_temperatures_side_by_side(target_dir: Path, drafter_dirs: dict, pro
 
 
 def markdown_table(result: dict) -> str:
-    """method | tau | acceptance at draft positions 1..K | alpha measured, predicted | c | tok/s | speedup."""
-    header = ["method", "tau", *[f"pos {i}" for i in range(1, K + 1)], "alpha", "alpha pred", "c", "tok/s", "speedup"]
+    """method | tau | acceptance at draft positions 1..K | alpha measured, predicted | c | tok/s | speedup; with a
+    K column where the methods drafted chains of different lengths (``result["chain_k"]``, bench_families)."""
+    chain_k = result.get("chain_k")
+    most = max([k for k in (chain_k or {}).values() if k] + [K])
+    header = ["method", *(["K"] if chain_k else []), "tau", *[f"pos {i}" for i in range(1, most + 1)], "alpha",
+              "alpha pred", "c", "tok/s", "speedup"]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
 
     def fmt(value, spec):
@@ -215,8 +219,9 @@ def markdown_table(result: dict) -> str:
 
     for method, groups in result["methods"].items():
         s = groups["overall"]
-        positions = (s["position_acceptance"] or [None] * K) + [None] * K
-        cells = [method, fmt(s["acceptance_length"], ".2f"), *[fmt(p, ".3f") for p in positions[:K]],
+        positions = (s["position_acceptance"] or []) + [None] * most
+        cells = [method, *([fmt(chain_k.get(method), "d")] if chain_k else []), fmt(s["acceptance_length"], ".2f"),
+                 *[fmt(p, ".3f") for p in positions[:most]],
                  fmt(s["alpha_measured"], ".3f"), fmt(s["alpha_predicted"], ".3f"), fmt(s["draft_cost_ratio"], ".3f"),
                  fmt(s["tokens_per_second"], ".1f"), fmt(s["speedup"], ".2f") + ("x" if s["speedup"] else "")]
         lines.append("| " + " | ".join(cells) + " |")

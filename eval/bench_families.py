@@ -14,8 +14,10 @@
                rerun reuses a drafter whose recipe, overrides and data are unchanged.
   3. evaluate  one `evaluate(...)` per temperature (0 and 1): every drafter, prompt lookup and plain
                decoding of the same target (float32) on --eval-prompts (Spec-Bench's questions from
-               ../shared, --per-category of each category), chain K=5; tau, per-position
-               acceptance, alpha, c, the measured verify cost, tokens/s and speedups, per category.
+               ../shared, --per-category of each category), chain K=5 (DFlash: its block_size - 1, the
+               whole block its one draft forward makes, in an evaluate of its own beside plain decoding;
+               the table's K column); tau, per-position acceptance, alpha, c, the measured verify cost,
+               tokens/s and speedups, per category.
   4. exports   each drafter in each format it supports, read back: do its draft probabilities match?
   5. predict   per batch size (--batch-sizes) and temperature, each method's measured speedup beside the
                three predictions: Leviathan's (K drafts, a verify costing one plain step), the same with
@@ -44,7 +46,7 @@ from bench_eagle import K, eval_history, evaluate_at_temperatures, markdown_tabl
 
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, load_drafter
-from specdraft.evaluation.run import family_report
+from specdraft.evaluation.run import EvalSettings, evaluate, family_report
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.quickstart import RECIPES_DIR, write_jsonl
 from specdraft.target import FrozenTarget, resolve_target_path
@@ -285,6 +287,36 @@ def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) 
     return results
 
 
+def chain_k(drafter) -> int:
+    """The chain length a drafter is evaluated at: bench_eagle's K, except DFlash's block_size - 1 (issue 34: its
+    one draft forward per step makes the whole block, so it drafts all of it)."""
+    return drafter.config.block_size - 1 if drafter.family == "dflash" else K
+
+
+def evaluate_at_chain_ks(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path,
+                         batch_size: int = 1) -> dict:
+    """``evaluate_at_temperatures`` with each drafter at its ``chain_k``: the drafters at K beside prompt lookup
+    and plain decoding, each other K in an evaluate of its own (with its own plain decoding: its speedup is
+    over that, in the same process), merged into one result per temperature; ``chain_k`` maps method -> K."""
+    ks = {family: chain_k(drafter) for family, drafter in drafters.items()}
+    results = evaluate_at_temperatures(target, {f: d for f, d in drafters.items() if ks[f] == K}, prompts,
+                                       max_new_tokens, out, batch_size)
+    for temperature, result in results.items():
+        result["chain_k"] = {method: None if method == "plain" else ks.get(method, K) for method in result["methods"]}
+        for k in sorted(set(ks.values()) - {K}):
+            at_k = {family: drafter.draft_source(target) for family, drafter in drafters.items() if ks[family] == k}
+            other = evaluate(target, at_k, prompts, EvalSettings(SamplingParams(temperature=temperature), k=k,
+                                                                 max_new_tokens=max_new_tokens, batch_size=batch_size),
+                             out / f"k-{k}" / f"temperature-{temperature:g}")
+            result["methods"].update({family: other["methods"][family] for family in at_k})
+            result["chain_k"].update(dict.fromkeys(at_k, k))
+            result.setdefault("plain_of_other_k", {})[k] = other["methods"]["plain"]["overall"]
+            for key in ("greedy_identical", "greedy_mismatches"):
+                if key in result:
+                    result[key].update({family: other[key][family] for family in at_k})
+    return results
+
+
 def plot_tau_by_category(results: dict, path: Path) -> None:
     """Grouped bars: tau of each method in each category, one panel per temperature."""
     import matplotlib
@@ -317,6 +349,9 @@ def temperature_sections(results: dict) -> list[str]:
         lines += ["verify cost (a K+1-token forward / a plain step) and the speedup predicted with it: " + ", ".join(
             f"{m} {s['overall']['verify_cost']:.2f} -> {s['overall']['predicted_speedup_measured_verify']:.2f}x"
             for m, s in result["methods"].items() if s["overall"]["verify_cost"] is not None), ""]
+        for k, plain in result.get("plain_of_other_k", {}).items():
+            lines += [(f"the K={k} methods' speedups are over their own evaluate's plain decoding: "
+                       f"{plain['tokens_per_second']:.1f} tok/s"), ""]
         if "greedy_identical" in result:
             lines += ["greedy output identical to plain decoding: " + ", ".join(
                 f"{m} {v:.0%}" for m, v in result["greedy_identical"].items()), ""]
@@ -435,8 +470,8 @@ def main() -> None:
     def batch_folder(batch: int) -> str:
         return f"batch-{batch}" if batch > 1 else ""
 
-    by_batch = {batch: evaluate_at_temperatures(target, shared, eval_prompts, args.max_new_tokens,
-                                                work / "eval" / batch_folder(batch), batch)
+    by_batch = {batch: evaluate_at_chain_ks(target, shared, eval_prompts, args.max_new_tokens,
+                                            work / "eval" / batch_folder(batch), batch)
                 for batch in args.batch_sizes}
     results = by_batch[args.batch_sizes[0]]
     plot_tau_by_category(results, work / "tau_by_category.png")
@@ -450,7 +485,8 @@ def main() -> None:
         reports[family] = family_report(family, own, drafter, eval_prompts, args.max_new_tokens, work / "eval" / family)
     adapted_results = {family: runs[args.batch_sizes[0]] for family, runs in adapted_by_batch.items()}
 
-    lines = [(f"## Drafter families on {args.target} ({len(eval_prompts)} prompts from {source}, K={K}, "
+    lines = [(f"## Drafter families on {args.target} ({len(eval_prompts)} prompts from {source}, chain K={K} "
+              "unless the K column says otherwise, "
               f"max {args.max_new_tokens} new tokens, float32, {args.threads} thread(s))"), "",
              f"`python {' '.join(sys.argv)}`", ""]
     lines += temperature_sections(results)

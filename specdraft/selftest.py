@@ -56,7 +56,7 @@ from .decoding.speculative import TreeDrafting, speculative_decode  # noqa: E402
 from .decoding.tree_verify import verify_tree_reference, verify_tree_triton  # noqa: E402
 from .decoding.trees import NAMED_TREES  # noqa: E402
 from .decoding.verify import resolve_verify_backend, verify_reference, verify_triton  # noqa: E402
-from .drafters import load_drafter  # noqa: E402
+from .drafters import FAMILIES, load_drafter  # noqa: E402
 from .errors import SpecdraftError  # noqa: E402
 from .evaluation.suites import Prompt, prompt_token_ids  # noqa: E402
 from .evaluation.verify_cost import format_curve, measure_forward_costs  # noqa: E402
@@ -73,20 +73,8 @@ from .target import FrozenTarget, resolve_target_path  # noqa: E402
 from .toy_target import definition_prompts  # noqa: E402
 from .train import train  # noqa: E402
 
-FAMILY_ORDER = ("eagle1", "eagle3", "medusa1", "medusa2", "mlp_speculator", "distillspec")
 PACKAGES = ("torch", "triton", "transformers", "accelerate", "peft", "deepspeed", "datasets", "safetensors")
-K = 3  # drafts per step in the decoding checks (Medusa's and the MLP speculator's heads below)
-# Each family small enough to train in seconds on a CPU, every path it has switched on: EAGLE-3's reduced
-# draft vocabulary, Medusa-2's adapters, DistillSpec's on-policy generation.
-FAMILY_SETTINGS = {
-    "eagle1": {"fc_bias": False},  # so that vLLM's EAGLE-1 export (no fc bias) is among those checked
-    "eagle3": {"ttt_steps": K, "draft_vocab_size": 1024},
-    "medusa1": {"num_heads": K, "num_layers": 1},
-    "medusa2": {"num_heads": K, "num_layers": 1, "lora_r": 8, "joint_from_step": 0},
-    "mlp_speculator": {"n_predict": K, "stage2_start_step": 4, "stage2_prompt_length": 16,  # stage 2 (the target
-                       "stage2_new_tokens": 16, "stage2_prompts_per_row": 1},  # generates) for the last 4 of 8 steps
-    "distillspec": {"num_layers": 2, "on_policy_fraction": 0.5, "generation_max_new_tokens": 16},
-}
+K = 3  # drafts per step in the decoding checks (each family's selftest_settings drafts at least this many)
 # Files of the toy target's training split (definitions of their functions are the chat data) and of its
 # held-out split (the decoding checks' prompts); every Python 3 has them.
 TRAIN_FILES = ("textwrap.py", "shlex.py", "string.py")
@@ -202,10 +190,12 @@ def toy_chat_data(path: Path, files: tuple[str, ...], count: int) -> Path:
 
 
 def family_recipe(setup: Setup, family: str, data: Path, run_dir: Path, steps: int) -> dict:
-    """A recipe for ``family`` on the toy target: 4 micro-batches an epoch, a checkpoint at half the steps."""
+    """A recipe for ``family`` on the toy target: its ``selftest_settings`` (small, every path it has switched on:
+    EAGLE-3's reduced draft vocabulary, Medusa-2's adapters, DistillSpec's on-policy generation), 4 micro-batches an
+    epoch, a checkpoint at half the steps."""
     return {
         "target": {"path": "toy", "dtype": setup.train_dtype, "taps": "auto"},
-        "drafter": {"family": family, **FAMILY_SETTINGS[family]},
+        "drafter": {"family": family, **FAMILIES[family].selftest_settings},
         "data": {"path": str(data), "format": "messages", "max_length": 128, "eval_fraction": 0.2},
         "optimizer": {"lr": 3e-3, "schedule": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.5},
         "training": {"max_steps": steps, "micro_batch_size": 4, "grad_accumulation": 1,
@@ -319,7 +309,7 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
         return None, "its training failed: nothing to decode"
     target, drafters = shared_decoding(setup)
     drafter = drafters.get(family)
-    if drafter is None:  # it trains adapters inside the target (Medusa-2): a target of its own
+    if drafter is None:  # it trains adapters inside the target (Medusa-2) or taps other layers: a target of its own
         target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
         drafter = load_drafter(setup.runs[family] / "drafter", target).eval()
     prompts = [torch.tensor([ids], device=setup.device) for ids in decoding_prompts(target.tokenizer, 4)]
@@ -367,14 +357,17 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
 
 def shared_decoding(setup: Setup):
     """One float32 target with every trained drafter that leaves it frozen loaded on it, before any decodes: its
-    needs (EAGLE's taps) are then final, so compile_target's graphs, one per step width, serve every family."""
+    needs (EAGLE's taps) are then final, so compile_target's graphs, one per step width, serve every family. One
+    target taps one set of layers: a drafter that reads others (DFlash's beside EAGLE-3's) decodes on its own."""
     if setup.decoding is None:
         target = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
         drafters = {}
         for family, run_dir in setup.runs.items():
             # Loaded on a copy first: a drafter that puts adapters into its target (Medusa-2) keeps that copy.
             own = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="float32", device=setup.device)
-            if not load_drafter(run_dir / "drafter", own).needs.trains_adapters:
+            needs = load_drafter(run_dir / "drafter", own).needs
+            other_taps = needs.taps and target.needs.taps and needs.taps != target.needs.taps
+            if not needs.trains_adapters and not other_taps:
                 drafters[family] = load_drafter(run_dir / "drafter", target).eval()
         setup.decoding = (target, drafters)
     return setup.decoding
@@ -440,9 +433,9 @@ def writable_folder(out: Path) -> Path:
 
 def selftest(device=None, quick: bool = False, out: str | Path = "selftest", families: tuple[str, ...] | None = None,
              show: bool = True) -> list[Check]:
-    """Run every check (training and decoding for ``families``, default all); print (``show``) and write
-    OUT/selftest.{md,json}; return the checks."""
-    families = FAMILY_ORDER if families is None else families
+    """Run every check (training and decoding for ``families``, default every registered family); print
+    (``show``) and write OUT/selftest.{md,json}; return the checks."""
+    families = tuple(FAMILIES) if families is None else families
 
     device = pick_device(device) if not isinstance(device, torch.device) else device
     out = writable_folder(Path(out))

@@ -121,3 +121,34 @@ def test_a_sigterm_to_the_bench_ends_its_spawned_workers_too(tmp_path):
     bench.send_signal(signal.SIGTERM)
     assert bench.wait(timeout=60) == 128 + signal.SIGTERM
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+def test_dflash_drafts_its_whole_block_beside_the_others_at_k_and_the_table_says_which_k(tmp_path):
+    """Issue 34: DFlash at chain K = block_size - 1 in an evaluate of its own, merged beside the K=5 methods;
+    the table's K column and position columns follow each method's K."""
+    from bench_eagle import K, markdown_table
+    from bench_families import evaluate_at_chain_ks
+    from tiny import save_tiny_target
+
+    from specdraft.drafters.dflash import DFLASH, DFlashConfig
+    from specdraft.drafters.distillspec import DISTILLSPEC, DistillSpecConfig
+    from specdraft.evaluation.suites import Prompt
+    from specdraft.target import FrozenTarget
+
+    target = FrozenTarget.from_pretrained(save_tiny_target(tmp_path / "target", num_hidden_layers=4),
+                                          dtype="float32")
+    drafters = {"student": DISTILLSPEC.build(target, DistillSpecConfig(num_layers=1)).eval(),
+                "dflash": DFLASH.build(target, DFlashConfig(block_size=4, num_layers=1, mask_token_id=1)).eval()}
+    prompts = [Prompt("1", "s", "writing", "question", ["Write a poem."])]
+    results = evaluate_at_chain_ks(target, drafters, prompts, 12, tmp_path / "eval")
+    for result in results.values():
+        assert result["chain_k"] == {"plain": None, "student": K, "prompt-lookup": K, "dflash": 3}
+        assert list(result["methods"]) == ["plain", "student", "prompt-lookup", "dflash"]
+        assert len(result["methods"]["dflash"]["overall"]["position_acceptance"]) == 3
+        assert len(result["methods"]["student"]["overall"]["position_acceptance"]) == K
+        assert set(result["plain_of_other_k"]) == {3}
+        table = markdown_table(result).splitlines()
+        assert table[0].startswith("| method | K | tau | pos 1 |") and f"pos {K} |" in table[0]
+        assert table[2].startswith("| plain | - |") and table[5].startswith("| dflash | 3 |")
+    assert "dflash" in results[0.0]["greedy_identical"]
+    assert (tmp_path / "eval" / "k-3" / "temperature-0").is_dir()

@@ -16,8 +16,10 @@ import torch
 
 from specdraft import selftest as selftest_module
 from specdraft.cli import main
+from specdraft.config import parse_recipe
+from specdraft.drafters import FAMILIES as REGISTERED
 
-FAMILIES = ("eagle1", "eagle3", "medusa1", "medusa2", "mlp_speculator", "distillspec")
+FAMILIES = tuple(REGISTERED)  # every registered family, DFlash among them, with no selftest edit
 
 
 def without_root_permission_override():
@@ -51,13 +53,23 @@ def test_quick_selftest_passes_every_check_on_this_cpu_and_writes_its_report(tmp
     assert all(c["ok"] for c in record["checks"]), [c for c in record["checks"] if not c["ok"]]
     assert record["environment"]["device"] == "cpu" and record["environment"]["torch"] == torch.__version__
     assert "in Triton's interpreter" in record["checks"][0]["detail"]  # the kernels, not the reference twice
-    for check in record["checks"][3:9]:
+    for check in record["checks"][3 : 3 + len(FAMILIES)]:
         assert "resume from step 4 identical" in check["detail"] and "DIFFERENT" not in check["detail"]
     assert "| chain | 4 |" in record["verify_cost"]
     markdown = (tmp_path / "st" / "selftest.md").read_text()
     assert "| train: medusa2 | ok |" in markdown and "| verify backend | reference (pure torch)" in markdown
-    assert "all 16 checks passed" in done.stdout
+    assert f"all {4 + 2 * len(FAMILIES)} checks passed" in done.stdout
     assert not [p for p in (tmp_path / "st").iterdir() if p.name.startswith("work-")]  # scratch removed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_owns_the_settings_selftest_trains_it_with(family, tmp_path):
+    """The family's registration gives its selftest run's drafter section, and it parses: its settings are the
+    family's own fields, with valid values."""
+    setup = selftest_module.Setup(torch.device("cpu"), True, tmp_path)
+    raw = selftest_module.family_recipe(setup, family, tmp_path / "chat.jsonl", tmp_path / "run", 8)
+    assert raw["drafter"] == {"family": family, **REGISTERED[family].selftest_settings}
+    parse_recipe(raw)
 
 
 def test_a_failing_check_fails_the_command_and_the_others_still_run(tmp_path, monkeypatch):
@@ -67,7 +79,7 @@ def test_a_failing_check_fails_the_command_and_the_others_still_run(tmp_path, mo
     monkeypatch.setattr(selftest_module, "check_verify_agreement", lambda setup, tree: (True, "fine"))
     monkeypatch.setattr(selftest_module, "check_exactness", broken)
     monkeypatch.setattr(selftest_module, "check_verify_cost", lambda setup: (True, "fine", ""))
-    monkeypatch.setattr(selftest_module, "FAMILY_ORDER", ())
+    monkeypatch.setattr(selftest_module, "FAMILIES", {})
     assert main(["selftest", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 1
     record = json.loads((tmp_path / "selftest.json").read_text())
     assert [(c["name"], c["ok"]) for c in record["checks"]] == [

@@ -656,7 +656,9 @@ DFLASH_EXPORTERS = {
 }
 
 DFLASH = Family(name=FAMILY, config_cls=DFlashConfig, needs=dflash_needs, build=build_dflash, load=load_dflash,
-                exporters=DFLASH_EXPORTERS)
+                exporters=DFLASH_EXPORTERS,
+                selftest_settings={"block_size": 4, "num_layers": 1, "num_anchors": 8,
+                                   "mask_token_id": 1})  # the toy's <|pad|>, as recipes/toy_dflash.yaml
 
 __all__ = ["DFLASH", "DFlashConfig", "DFlashDrafter", "DFlashDraftSource", "block_weights", "dflash_default_taps",
            "dflash_distillation", "zlab_layer_ids"]

@@ -446,4 +446,5 @@ DISTILLSPEC = Family(
     load=load_distillspec,
     exporters={"hf": FolderExporter(write_model_folder, check_model_folder, SERVE_HINT)},
     check_recipe=check_distillspec_recipe,
+    selftest_settings={"num_layers": 2, "on_policy_fraction": 0.5, "generation_max_new_tokens": 16},  # on-policy
 )

@@ -203,4 +203,5 @@ def load_eagle1(path, target) -> Eagle1Drafter:
 
 
 EAGLE1 = Family(name="eagle1", config_cls=Eagle1Config, needs=eagle1_needs, build=build_eagle1, load=load_eagle1,
-                exporters=EAGLE1_EXPORTERS)
+                exporters=EAGLE1_EXPORTERS,
+                selftest_settings={"fc_bias": False})  # vLLM's EAGLE-1 export (no fc bias) among those checked

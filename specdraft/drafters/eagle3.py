@@ -375,4 +375,5 @@ def load_eagle3(path, target) -> Eagle3Drafter:
 EAGLE3 = Family(
     name="eagle3", config_cls=Eagle3Config, needs=eagle3_needs, build=build_eagle3, load=load_eagle3,
     exporters=EAGLE3_EXPORTERS, needs_draft_vocab=True,
+    selftest_settings={"ttt_steps": 3, "draft_vocab_size": 1024},  # the reduced draft vocabulary
 )

@@ -645,4 +645,5 @@ MEDUSA_EXPORTERS = {
 }
 
 MEDUSA1 = Family(name="medusa1", config_cls=MedusaConfig, needs=medusa_needs, build=build_medusa, load=load_medusa,
-                 exporters=MEDUSA_EXPORTERS, needs_draft_vocab=True)
+                 exporters=MEDUSA_EXPORTERS, needs_draft_vocab=True,
+                 selftest_settings={"num_heads": 3, "num_layers": 1})

@@ -385,4 +385,5 @@ MERGED = FolderExporter(
 
 MEDUSA2 = Family(name="medusa2", config_cls=Medusa2Config, needs=medusa2_needs, build=build_medusa2,
                  load=load_medusa2, exporters={"merged": MERGED}, needs_draft_vocab=True,
-                 eval_report=drift_report)
+                 eval_report=drift_report,
+                 selftest_settings={"num_heads": 3, "num_layers": 1, "lora_r": 8, "joint_from_step": 0})

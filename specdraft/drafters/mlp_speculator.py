@@ -693,4 +693,7 @@ VLLM_SERVE_HINT = (
 MLP_SPECULATOR = Family(name=FAMILY, config_cls=MLPSpeculatorConfig, needs=mlp_speculator_needs,
                         build=build_mlp_speculator, load=load_mlp_speculator,
                         exporters={"vllm": Exporter(write=_same_folder, read_back=lambda saved, tensors: tensors,
-                                                    serve_hint=VLLM_SERVE_HINT)})
+                                                    serve_hint=VLLM_SERVE_HINT)},
+                        # stage 2 (the target generates) for the last 4 of selftest's 8 steps
+                        selftest_settings={"n_predict": 3, "stage2_start_step": 4, "stage2_prompt_length": 16,
+                                           "stage2_new_tokens": 16, "stage2_prompts_per_row": 1})
