@@ -1,7 +1,7 @@
 """Target architectures x drafter families: one cell trains, resumes, exports, loads in the engines and decodes.
 
 Used by tests/test_architectures.py (one test per cell) and eval/architectures.py (the table in
-eval/ARCHITECTURES.md). Every target is a tiny seeded transformers model built here from its config class, with
+eval/README.md, "Target architectures and FSDP on CPU"). Every target is a tiny seeded transformers model built here from its config class, with
 no download: 4 layers, hidden 64, the tiny test tokenizer's ~300 tokens.
 
 A cell, for one (architecture, family):
