@@ -155,8 +155,8 @@ class TrainingTimeTestKeys:
     the step-0 keys are shared across rows, so step k runs one attention over them and one extra key per row:
     a "sink" key whose score is the log-sum-exp of row i's own step keys, with a value column that returns
     its softmax weight beta (``attend_with_own_keys``). That is the same softmax as the extended mask's, for
-    a cost of one step-0 attention per step instead of k + 1, with no [T, (k + 1) T] mask. ``update`` keeps
-    the keys; autograd sees every step's as they were.
+    a cost of one step-0 attention per step instead of k + 1, with no [T, (k + 1) T] mask. ``attend`` keeps
+    each step's keys as they were, for autograd.
     """
 
     def __init__(self):
@@ -165,9 +165,6 @@ class TrainingTimeTestKeys:
         self.own_keys: list[torch.Tensor] = []  # steps 1..k, each [B, h_kv, T, d]: row i's keys at step j
         self.own_values: list[torch.Tensor] = []
         self.padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # step 0's keys + the sink
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask0: torch.Tensor) -> torch.Tensor:
         """This step's attention output [B, h, T, d]; ``mask0`` [B or 1, 1, T, T] is step 0's mask."""
@@ -225,7 +222,6 @@ def attend_with_own_keys(q, padded_keys, padded_values, mask, own_keys, own_valu
     out = attend(padded_q, padded_keys, padded_values, mask, scale=scale)
     beta = out[..., d + 2 : d + 3].float()
     return (out[..., :d].float() + beta * own_out).to(q.dtype)
-
 
 
 class DraftCache(PreallocatedLayer):
