@@ -673,3 +673,39 @@ def test_the_training_time_tests_attention_in_bf16_is_as_close_as_the_extended_m
     reference = dense([tuple(x.float() for x in step) for step in leaves])
     for k, (got, bf16, want) in enumerate(zip(fast, dense(leaves), reference)):
         assert (got - want).abs().max() <= 2 * (bf16 - want).abs().max() + 1e-3, k
+
+
+class RecordedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops run inside the block, with their argument shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        self.calls.append((func.overloadpacket.__name__, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_borrowed_lm_head_runs_as_one_product_over_all_rows(bf16):
+    # EAGLE-1 applies the target's frozen head to predicted[:, :rows], a non-contiguous slice that requires
+    # grad: torch's matmul then expanded the head into a [B, H, V] batched product (a copy of the whole head
+    # per row of the batch; about 2x the time on SmolLM2). The head must run as mm over [B * rows, H].
+    # bf16: a bfloat16 target under autocast, as the SmolLM2 recipe trains (the slice is already bf16).
+    target = tiny_target("llama")
+    drafter = build("eagle1", target)
+    if bf16:
+        target.model.to(torch.bfloat16)
+    batch = make_batch(B=3, T=24)
+    target_out = target.forward_batch(batch)
+    with RecordedOps() as ops, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        drafter.compute_loss(batch, target_out).loss.backward()
+    vocab, hidden = target.vocab_size, target.hidden_size
+    head_products = [(name, shapes) for name, shapes in ops.calls
+                     if name in ("mm", "bmm", "addmm", "matmul") and any(vocab in s for s in shapes)]
+    assert head_products, "the LM head's product was not seen"
+    assert all(name != "bmm" for name, _ in head_products), head_products
+    assert not any(name in ("copy_", "clone", "expand", "contiguous") and any(len(s) == 3 and vocab in s
+               and hidden in s for s in shapes) for name, shapes in ops.calls), "the head was copied per row"

@@ -95,6 +95,7 @@ from .eagle3 import Eagle3MLP
 from .eagle_common import (
     DraftCache,
     attend,
+    borrowed_head_logits,
     check_target_architecture,
     head_dim_of,
     make_rotary,
@@ -312,7 +313,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._borrowed[1](hidden.to(self._borrowed[1].weight.dtype)).float()
+        return borrowed_head_logits(self._borrowed[1], hidden)
 
     # -- training -------------------------------------------------------------------------------------------
     def trained_module(self) -> nn.Module:

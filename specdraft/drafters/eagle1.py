@@ -42,6 +42,7 @@ from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
+    borrowed_head_logits,
     check_target_architecture,
     decode_mask,
 )
@@ -129,8 +130,8 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def draft_logits(self, predicted_features: torch.Tensor) -> torch.Tensor:
-        lm_head = self.target_lm_head  # the target's, in the target's dtype (e.g. bf16 under an fp32 drafter)
-        return lm_head(predicted_features.to(lm_head.weight.dtype)).float()
+        # the target's, in the target's dtype (e.g. bf16 under an fp32 drafter)
+        return borrowed_head_logits(self.target_lm_head, predicted_features)
 
     def target_features(self, target_out: TargetOutputs) -> torch.Tensor:
         if target_out.final_hidden is None:
@@ -167,9 +168,10 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
             weight = weight & (batch["seq_ids"][:, :rows] == batch["seq_ids"][:, 2:])
 
         draft_logits = self.draft_logits(predicted[:, :rows])
-        target_logits = target_out.logits[:, 1 : rows + 1].float()
+        target_logits = target_out.logits[:, 1 : rows + 1]  # the target's dtype: softmax reads it as float32
         loss, regression, classification = eagle1_loss(
-            predicted[:, :rows], features[:, 1 : rows + 1], draft_logits, torch.softmax(target_logits, -1),
+            predicted[:, :rows], features[:, 1 : rows + 1], draft_logits,
+            torch.softmax(target_logits, -1, dtype=torch.float32),
             weight, self.config.cls_weight, DRAFTER_LOSSES[self.config.loss],
         )
         with torch.no_grad():

@@ -115,6 +115,17 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def borrowed_head_logits(lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [..., V] of the target's frozen LM head over ``hidden`` [..., H], in the head's dtype.
+
+    The rows are flattened into one [N, H] product first. Given a non-contiguous [B, T, H] input that requires
+    grad (a slice such as ``predicted[:, :rows]``) and a weight that does not, torch's matmul does not fold
+    the rows: it expands the weight into a [B, H, V] batched product, a copy of the whole head per row of the
+    batch, which made EAGLE-1's LM head on SmolLM2 about twice as slow (eval/bench_train.py)."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)
+    return lm_head(flat).float().view(*hidden.shape[:-1], -1)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
