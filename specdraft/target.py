@@ -92,6 +92,8 @@ class FrozenTarget(nn.Module):
             model.config.output_router_logits = False
         self.tokenizer = tokenizer
         base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+        if base is model:  # Llama4ForCausalLM's get_decoder() is the model itself (no "language_model" in it)
+            base = getattr(model, "model", None)
         layers = getattr(base, "layers", None)
         if base is None or layers is None or getattr(base, "norm", None) is None:
             raise SpecdraftError(
