@@ -177,9 +177,8 @@ def engine_check(name: str, fmt: str, out: Path, target: FrozenTarget, drafter) 
             consumers = {"SGLang": sglang_eagle3_loads(out, target)[1]}
         else:
             consumers = {"vLLM": vllm_eagle3_loads(out, target)[2], "speculators": speculators_eagle3_loads(out, target)}
-        if target.config.rope_parameters["rope_type"] == "default":  # test_export's RoPE has no scaling
-            for w in consumers.values():  # the draft logits through each consumer's weights are specdraft's
-                assert_same_logits(eagle3_logits(w, target), drafter, target)
+        for w in consumers.values():  # the draft logits through each consumer's weights (and RoPE) are specdraft's
+            assert_same_logits(eagle3_logits(w, target), drafter, target)
         return ", ".join(consumers)
     if family == "eagle1":
         from test_export import sglang_eagle1_loads, vllm_eagle1_loads
