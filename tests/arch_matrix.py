@@ -102,8 +102,13 @@ DRAFTERS = {
                "mask_token_id": 0},
 }
 TAPS = {"eagle3": [1, 2, 3], "eagle3-qk": [1, 2, 3], "dflash": [2]}  # engines capture layers >= 1, each once
-# MoE experts are fused 3-D parameters in transformers 5, not Linear modules: LoRA adapts attention there.
-MOE_LORA = {"lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+# Medusa-2's LoRA modules where specdraft's default (q/k/v/o and gate/up/down projections) does not fit. MoE experts
+# are fused 3-D parameters in transformers 5, not Linear modules: LoRA adapts attention there. DeepSeek-V3's latent
+# attention has its own projections; GLM-4 fuses gate and up.
+ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_MODULES = {**{arch: ATTENTION_LORA for arch in MOE},
+                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                "glm4": ATTENTION_LORA + ["gate_up_proj", "down_proj"]}
 STEPS, NEW_TOKENS = 3, 24
 
 
@@ -147,7 +152,9 @@ def target_folder(arch: str, root: str) -> Path:
 def recipe_for(arch: str, family: str, folder: Path, target: Path, data: Path) -> dict:
     recipe = make_recipe(folder, target, data, training={"max_steps": STEPS, "grad_accumulation": 1},
                          checkpoint={"save_every": 1, "keep_last": STEPS})
-    recipe["drafter"] = {**DRAFTERS[family], **(MOE_LORA if family == "medusa2" and arch in MOE else {})}
+    recipe["drafter"] = dict(DRAFTERS[family])
+    if family == "medusa2" and arch in LORA_MODULES:
+        recipe["drafter"]["lora_target_modules"] = LORA_MODULES[arch]
     recipe["target"]["taps"] = TAPS.get(family, "auto")
     return recipe
 
