@@ -1,6 +1,6 @@
-"""The architecture x family table: every drafter family on tiny seeded targets of six architectures.
+"""The architecture x family table: every drafter family on tiny seeded targets of twelve architectures.
 
-    python eval/architectures.py                      # the whole table (about 2 minutes on one CPU thread)
+    python eval/architectures.py                      # the whole table (about 4 minutes on one CPU thread)
     python eval/architectures.py --arch gemma3 --family medusa1 eagle3
 
 Runs tests/arch_matrix.py's cells (the same code tests/test_architectures.py checks): per (architecture, family),

@@ -75,6 +75,16 @@ def stop_token_ids(model: nn.Module | None, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def decoder_of(model: nn.Module) -> nn.Module | None:
+    """The decoder stack under a causal LM's head (embedding, layers, final norm), or None.
+
+    Llama4ForCausalLM's get_decoder() returns the model itself (its base_model_prefix names a "language_model" it
+    does not have): its decoder is ``.model``, as for the Llama-style models whose get_decoder() finds it.
+    """
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    return getattr(model, "model", None) if base is model else base
+
+
 class FrozenTarget(nn.Module):
     """A causal LM in eval mode whose own weights never train, returning ``TargetOutputs``.
 
@@ -91,7 +101,7 @@ class FrozenTarget(nn.Module):
         if getattr(model.config, "output_router_logits", False):
             model.config.output_router_logits = False
         self.tokenizer = tokenizer
-        base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+        base = decoder_of(model)
         layers = getattr(base, "layers", None)
         if base is None or layers is None or getattr(base, "norm", None) is None:
             raise SpecdraftError(

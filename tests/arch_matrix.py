@@ -46,6 +46,8 @@ SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key
              intermediate_size=96, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}
 # name -> (config class, what differs from SIZES). Each keeps the feature it is here for.
 ARCHITECTURES = {
     "llama3": (tf.LlamaConfig, dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)),
@@ -61,8 +63,33 @@ ARCHITECTURES = {
                                          final_logit_softcapping=5.0, query_pre_attn_scalar=16)),
     "mistral": (tf.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": (tf.Qwen2Config, dict(tie_word_embeddings=False)),  # q/k/v biases
+    # yarn RoPE (factor 8 over 64 positions) (truncate: false, as gpt-oss ships), attention sinks, sliding layers with
+    # an 8-token window, mixture of experts with clamped SwiGLU, q/k/v/o biases
+    "gpt_oss": (tf.GptOssConfig, dict(tie_word_embeddings=False, head_dim=16, sliding_window=8,
+                                      layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=4,
+                                      num_experts_per_tok=2, rope_parameters=GPT_OSS_YARN, output_router_logits=True)),
+    # multi-head latent attention (q and kv LoRA ranks, a decoupled 8-dim RoPE part), a dense first layer then
+    # routed + shared experts
+    "deepseek_v3": (tf.DeepseekV3Config, dict(tie_word_embeddings=False, num_key_value_heads=4, q_lora_rank=24,
+                                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                              moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                                              topk_group=1)),
+    # chunked attention (8-token chunks) on the RoPE layers, a NoPE full-attention layer, QK-norm, llama3 RoPE,
+    # dense and MoE layers interleaved
+    "llama4": (tf.Llama4TextConfig, dict(tie_word_embeddings=False, head_dim=16, intermediate_size=32,
+                                         intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                                         interleave_moe_layer_step=2, attention_chunk_size=8,
+                                         layer_types=["chunked_attention"] * 3 + ["full_attention"],
+                                         no_rope_layers=[1, 1, 1, 0], rope_parameters=LLAMA3_ROPE,
+                                         attn_temperature_tuning=True, floor_scale=16, attn_scale=0.1)),
+    # GLM-4: RoPE on half of each head (partial_rotary_factor 0.5), fused gate_up, sandwich norms, q/k/v biases
+    "glm4": (tf.Glm4Config, dict(tie_word_embeddings=False, head_dim=16)),
+    "glm4_moe": (tf.Glm4MoeConfig, dict(tie_word_embeddings=False, head_dim=16, n_routed_experts=4,
+                                        num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                                        first_k_dense_replace=1, use_qk_norm=True)),
 }
-MOE = ("qwen3_moe", "mixtral")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4", "glm4_moe")
 DRAFTERS = {
     "eagle1": {"family": "eagle1", "fc_bias": False},  # vLLM's EAGLE-1 fc has no bias
     "eagle3": {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": 128},
@@ -75,8 +102,13 @@ DRAFTERS = {
                "mask_token_id": 0},
 }
 TAPS = {"eagle3": [1, 2, 3], "eagle3-qk": [1, 2, 3], "dflash": [2]}  # engines capture layers >= 1, each once
-# MoE experts are fused 3-D parameters in transformers 5, not Linear modules: LoRA adapts attention there.
-MOE_LORA = {"lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+# Medusa-2's LoRA modules where specdraft's default (q/k/v/o and gate/up/down projections) does not fit. MoE experts
+# are fused 3-D parameters in transformers 5, not Linear modules: LoRA adapts attention there. DeepSeek-V3's latent
+# attention has its own projections; GLM-4 fuses gate and up.
+ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_MODULES = {**{arch: ATTENTION_LORA for arch in MOE},
+                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                "glm4": ATTENTION_LORA + ["gate_up_proj", "down_proj"]}
 STEPS, NEW_TOKENS = 3, 24
 
 
@@ -120,7 +152,9 @@ def target_folder(arch: str, root: str) -> Path:
 def recipe_for(arch: str, family: str, folder: Path, target: Path, data: Path) -> dict:
     recipe = make_recipe(folder, target, data, training={"max_steps": STEPS, "grad_accumulation": 1},
                          checkpoint={"save_every": 1, "keep_last": STEPS})
-    recipe["drafter"] = {**DRAFTERS[family], **(MOE_LORA if family == "medusa2" and arch in MOE else {})}
+    recipe["drafter"] = dict(DRAFTERS[family])
+    if family == "medusa2" and arch in LORA_MODULES:
+        recipe["drafter"]["lora_target_modules"] = LORA_MODULES[arch]
     recipe["target"]["taps"] = TAPS.get(family, "auto")
     return recipe
 
@@ -150,9 +184,8 @@ def engine_check(name: str, fmt: str, out: Path, target: FrozenTarget, drafter) 
             consumers = {"SGLang": sglang_eagle3_loads(out, target)[1]}
         else:
             consumers = {"vLLM": vllm_eagle3_loads(out, target)[2], "speculators": speculators_eagle3_loads(out, target)}
-        if target.config.rope_parameters["rope_type"] == "default":  # test_export's RoPE has no scaling
-            for w in consumers.values():  # the draft logits through each consumer's weights are specdraft's
-                assert_same_logits(eagle3_logits(w, target), drafter, target)
+        for w in consumers.values():  # the draft logits through each consumer's weights (and RoPE) are specdraft's
+            assert_same_logits(eagle3_logits(w, target), drafter, target)
         return ", ".join(consumers)
     if family == "eagle1":
         from test_export import sglang_eagle1_loads, vllm_eagle1_loads

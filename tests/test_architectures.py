@@ -1,4 +1,5 @@
-"""Targets beyond Llama: Llama-3 RoPE scaling, Qwen3, Qwen3-MoE, Mixtral, Gemma-3, Mistral, Qwen2, with every family.
+"""Targets beyond Llama: Llama-3 RoPE scaling, Qwen3, Qwen3-MoE, Mixtral, Gemma-3, Mistral, Qwen2, gpt-oss, DeepSeek-V3,
+Llama-4, GLM-4 and GLM-4-MoE, with every family.
 
 Each (architecture, family) cell of tests/arch_matrix.py trains 3 steps, resumes bit-exactly, exports to every
 engine format, passes the engines' re-implemented loaders, reads back, and decodes greedy-identically to
@@ -15,9 +16,13 @@ import transformers as tf
 from arch_matrix import ARCHITECTURES, DRAFTERS, run_cell, target_config, target_folder
 from safetensors.torch import load_file
 from spine import make_chat_data, make_recipe
+from test_export import rope_frequencies
 
 from specdraft.config import parse_recipe
 from specdraft.contract import TargetNeeds
+from specdraft.drafters.eagle_common import check_target_architecture, make_rotary
+from specdraft.drafters.eagle_export import _rope_fields
+from specdraft.drafters.folder import target_config_dict
 from specdraft.errors import SpecdraftError
 from specdraft.target import FrozenTarget
 from specdraft.train import train
@@ -25,7 +30,8 @@ from specdraft.train import train
 # Cells where training is refused, and the limit the message must name.
 REFUSED = {
     **{(arch, "eagle1"): "a copy of the target's own decoder layer: .*vLLM 0.33 and SGLang 0.5.23 have EAGLE-1 "
-                         "models for dense Llama and Qwen2 layers only" for arch in ("qwen3_moe", "mixtral", "gemma3")},
+                         "models for dense Llama and Qwen2 layers only"
+       for arch in ("qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "llama4", "glm4", "glm4_moe")},
     ("gemma3", "eagle3"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
     ("gemma3", "eagle3-qk"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
     ("gemma3", "dflash"): "Gemma3ForCausalLM .* does not implement SupportsEagle3",
@@ -43,6 +49,15 @@ EXPORT_REFUSED = {
     ("qwen2", "eagle1"): {"vllm": "vLLM has EAGLE-1 models for LlamaForCausalLM .* only; this drafter's layer is a "
                                   "qwen2 layer"},
     ("qwen2", "dflash"): {"sglang": NOT_CAPTURED.format("DFlash")},
+    **{(arch, "eagle3-qk"): SGLANG_HAS_NO_QK_NORM for arch in ("gpt_oss", "deepseek_v3", "llama4")},
+    # taps [1, 2, 3] are SGLang ids [0, 1, 2], which DeepseekV3ForCausalLM does not shift
+    ("deepseek_v3", "eagle3"): {"sglang": r"DeepseekV3ForCausalLM .* adds 1 .* only when the first id is 1"},
+    ("glm4", "eagle3"): {fmt: NOT_CAPTURED.format("EAGLE-3") for fmt in ("sglang", "vllm")},
+    ("glm4", "dflash"): {fmt: NOT_CAPTURED.format("DFlash") for fmt in ("sglang", "vllm")},
+    ("glm4_moe", "eagle3"): {"vllm": NOT_CAPTURED.format("EAGLE-3")},
+    ("glm4_moe", "dflash"): {fmt: NOT_CAPTURED.format("DFlash") for fmt in ("sglang", "vllm")},
+    **{(arch, "eagle3-qk"): {"sglang": "without QK-norm", "vllm": NOT_CAPTURED.format("EAGLE-3")}
+       for arch in ("glm4", "glm4_moe")},
 }
 
 
@@ -137,6 +152,37 @@ class NoLayers(torch.nn.Module):
 def test_a_target_without_decoder_layers_is_refused_naming_what_it_lacks():
     with pytest.raises(SpecdraftError, match=r"NoLayers does not expose `.model.layers` and `.model.norm`"):
         FrozenTarget(NoLayers())
+
+
+def test_the_gpt_oss_draft_rope_is_the_yarn_the_engines_build_from_the_export():
+    """vLLM's EAGLE-3 draft (llama_eagle3.py, its LlamaAttention in llama.py) builds its RoPE with get_rope from the
+    draft config's rope_parameters, not from the target's model: the export carries gpt-oss's yarn with its
+    truncate: false, and the draft trains on that RoPE (neox-style, full width), not on gpt-oss's own rotary module
+    (half-width cos/sin)."""
+    target = random_target("gpt_oss")
+    rope = _rope_fields(target_config_dict(target.config))["rope_parameters"]
+    assert rope["rope_type"] == "yarn" and rope["truncate"] is False and rope["factor"] == 8.0
+    positions = torch.arange(200)[None]
+    cos, sin = make_rotary(target)(torch.zeros(1), positions)
+    inv_freq, scale = rope_frequencies(16, rope)  # vLLM's YaRNScalingRotaryEmbedding, re-implemented
+    angles = torch.cat([positions[0, :, None] * inv_freq] * 2, -1)
+    assert scale > 1.2  # yarn's attention factor, 0.1 ln(8) + 1
+    torch.testing.assert_close(cos[0], angles.cos() * scale)
+    torch.testing.assert_close(sin[0], angles.sin() * scale)
+
+
+class CustomDecoderLayer(tf.models.llama.modeling_llama.LlamaDecoderLayer):
+    """A decoder layer specdraft does not know (a remote-code model's, say)."""
+
+
+@pytest.mark.parametrize("family", ["EAGLE-1", "EAGLE-3", "DFlash"])
+def test_a_target_whose_layers_no_family_can_tap_is_refused_naming_the_layer(family):
+    target = random_target("qwen2")
+    for layer in target.layers:
+        layer.__class__ = CustomDecoderLayer
+    with pytest.raises(SpecdraftError, match=r"this target \(qwen2\) uses CustomDecoderLayer.*medusa1, medusa2, "
+                                             r"mlp_speculator (or|and) distillspec"):
+        check_target_architecture(target, family)
 
 
 def test_samples_longer_than_the_targets_context_are_refused_before_it_loads(tmp_path, monkeypatch):

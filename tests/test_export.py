@@ -252,6 +252,12 @@ def rope_theta(c):
     return AutoConfig.for_model(**c).rope_parameters["rope_theta"]
 
 
+def rope_of(c):
+    """The RoPE parameters (type, base, scaling) a transformers-5 config object carries: the engines' get_rope
+    reads these."""
+    return dict(AutoConfig.for_model(**c).rope_parameters)
+
+
 # -- the draft forward, from a consumer's weights ----------------------------------------------------
 
 
@@ -259,14 +265,59 @@ def rms_norm(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rotate(x, theta):
-    """Neox-style RoPE at positions 0..T-1 on [B, heads, T, d]."""
-    T, d = x.shape[-2], x.shape[-1]
+def rope_frequencies(d: int, rope: dict) -> tuple[torch.Tensor, float]:
+    """The [d/2] inverse frequencies and the cos/sin scale that vLLM 0.33's get_rope builds from a config's
+    rope_parameters (model_executor/layers/rotary_embedding): base.py (default), llama3_rope.py
+    (Llama3RotaryEmbedding._compute_inv_freq), yarn_scaling_rope.py with common.py's yarn_find_correction_range,
+    yarn_linear_ramp_mask and yarn_get_mscale (truncate, attention_factor, mscale / mscale_all_dim honoured; sglang
+    0.5.23's srt/layers/rotary_embedding/yarn.py reads the same keys)."""
+    theta, kind = rope["rope_theta"], rope.get("rope_type", "default")
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = rope["factor"]
+    if kind == "llama3":
+        old, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+        wave_len = 2 * math.pi / inv_freq
+        smooth = (old / wave_len - low) / (high - low) if low != high else 0
+        return torch.where(wave_len < old / high, inv_freq, torch.where(
+            wave_len > old / low, inv_freq / factor, (1 - smooth) * inv_freq / factor + smooth * inv_freq)), 1.0
+    assert kind == "yarn", f"no engine RoPE re-implemented here for rope_type {kind!r}"
+    old = rope["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(rope.get("beta_fast", 32)), correction_dim(rope.get("beta_slow", 1))
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low))
+    extrapolated = 1 - ramp.clamp(0, 1)
+    inv_freq = inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated
+
+    def get_mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if rope.get("attention_factor") is not None:
+        return inv_freq, float(rope["attention_factor"])
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return inv_freq, get_mscale(rope["mscale"]) / get_mscale(rope["mscale_all_dim"])
+    return inv_freq, get_mscale()
+
+
+def rotate(x, rope):
+    """Neox-style RoPE at positions 0..T-1 on [B, heads, T, d]: ``rope`` is a base (no scaling) or a config's
+    rope_parameters (see rope_frequencies). As get_rope, a partial_rotary_factor rotates the head's first
+    d * factor dims only (vLLM base.py forward_native: query_rot / query_pass)."""
+    rope = rope if isinstance(rope, dict) else {"rope_theta": rope}
+    T, d = x.shape[-2], int(x.shape[-1] * rope.get("partial_rotary_factor", 1.0))
+    x, passed = x[..., :d], x[..., d:]
+    inv_freq, scale = rope_frequencies(d, rope)
     angles = torch.arange(T, dtype=torch.float32)[:, None] * inv_freq[None]
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    cos, sin = torch.cat([angles, angles], -1).cos() * scale, torch.cat([angles, angles], -1).sin() * scale
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([x * cos + torch.cat([-x2, x1], dim=-1) * sin, passed], dim=-1)
 
 
 def attention(x, w):
@@ -389,7 +440,7 @@ def sglang_eagle3_loads(folder, target):
          "hidden_norm": value(loaded, "model.layers.0.hidden_norm.weight"),
          "norm": value(loaded, "model.norm.weight"), "lm_head": value(loaded, "lm_head.weight"),
          **fused_layer(loaded, "model.layers.0", o_bias=attention_bias),
-         **dims(c, rope_theta(c)), "to_target": hot_token_id, "vocab_size": target.vocab_size}
+         **dims(c, rope_of(c)), "to_target": hot_token_id, "vocab_size": target.vocab_size}
     return taps, w
 
 
@@ -479,7 +530,7 @@ def vllm_eagle3_loads(folder, target):
          "hidden_norm": value(loaded, "model.layers.0.hidden_norm.weight"),
          "norm": value(loaded, "model.norm.weight"), "lm_head": value(loaded, "lm_head.weight"),
          **fused_layer(loaded, "model.layers.0", bias=c.get("attention_bias", False), o_bias=attention_bias),
-         **dims(c, rope_theta(c)), "to_target": to_target, "vocab_size": c["vocab_size"]}
+         **dims(c, rope_of(c)), "to_target": to_target, "vocab_size": c["vocab_size"]}
     return c, taps, w, method["speculative_tokens"], spec["verifier"]["name_or_path"], shared
 
 
@@ -531,7 +582,7 @@ def speculators_eagle3_loads(folder, target):
          "hidden_norm": value(loaded, "layers.0.hidden_norm.weight"),
          "norm": value(loaded, "norm.weight"), "lm_head": value(loaded, "lm_head.weight"),
          **split_layer(loaded, "layers.0"),
-         **dims(tc, tl.rope_parameters["rope_theta"], head_dim=tl.head_dim), "to_target": to_target, "vocab_size": V}
+         **dims(tc, dict(tl.rope_parameters), head_dim=tl.head_dim), "to_target": to_target, "vocab_size": V}
     return w
 
 

@@ -81,6 +81,7 @@ from ..lora import LORA_MODULES, check_lora_settings, with_lora
 from ..losses import DIVERGENCES, acceptance_rate, distillation_view, generalized_jsd
 from ..masks import block_causal_mask
 from ..optim import recipe_optimization
+from ..target import decoder_of
 
 INITS = ("config", "truncate", "pretrained")
 
@@ -328,7 +329,7 @@ class DistillSpecDrafter(nn.Module):
         if "seq_ids" in batch:
             mask = block_causal_mask(mask, batch["seq_ids"])
         lm = self.lm()
-        hidden = lm.get_decoder()(input_ids=batch["input_ids"], attention_mask=mask,
+        hidden = decoder_of(lm)(input_ids=batch["input_ids"], attention_mask=mask,
                                   position_ids=batch.get("position_ids")).last_hidden_state
         # Position t predicts token t+1: counted where t+1 is an answer token. Only those rows go through
         # the student's LM head, so the [B, T, V] student logits are never formed.

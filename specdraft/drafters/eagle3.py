@@ -42,9 +42,11 @@ speculators library load) and ``hf`` (specdraft's own folder); both engine forma
 ``embed_tokens``. ``draft_layer: qwen3`` gives the draft layer QK-norm (``midlayer.self_attn.{q,k}_norm``): vLLM
 serves it as ``Eagle3Qwen3ForCausalLM``; SGLang has no such draft, so its export is refused.
 
-Targets: dense Llama, Mistral, Qwen2, Qwen3 and mixture-of-experts Qwen3-MoE and Mixtral (the taps are the layers'
-inputs, which the router does not touch); each engine export checks that the engine captures the target's layers
-(``eagle_export.SERVED_TARGETS``: not Mixtral). Gemma-3 is refused (``eagle_common.REFUSED_LAYERS``).
+Targets: dense Llama, Mistral, Qwen2, Qwen3, GLM-4 and mixture-of-experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3,
+Llama-4 (text) and GLM-4-MoE (the taps are the layers' inputs, which the router does not touch); each engine export
+checks that the engine captures the target's layers (``eagle_export.SERVED_TARGETS``: neither engine for Mixtral and
+GLM-4, SGLang only for GLM-4-MoE). The draft layer's RoPE is the target's type and scaling over the whole head
+(``eagle_common.make_rotary``), which the export names. Gemma-3 is refused (``eagle_common.REFUSED_LAYERS``).
 """
 
 from __future__ import annotations

@@ -13,12 +13,14 @@ An EAGLE drafter plugs into ``EagleDraftSource`` through ``EagleNetwork``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..contract import (
     DraftCapabilities,
@@ -61,7 +63,11 @@ class EagleNetwork(Protocol):
 # EAGLE-1's draft layer is a copy of the target's own layer, so it takes only the dense ones; EAGLE-3 and DFlash
 # build their own layers, so mixture-of-experts targets serve too.
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
-MOE_LAYERS = ("Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
+# Layers EAGLE-3 and DFlash tap but EAGLE-1 cannot copy: mixture-of-experts (gpt-oss with attention sinks, DeepSeek-V3
+# with latent attention, Llama-4 with chunked attention), and GLM-4's (partial RoPE, sandwich norms). Their input
+# is the residual stream too: vLLM and SGLang capture hidden + residual before them as before a Llama layer.
+TAPPED_ONLY_LAYERS = ("Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "GptOssDecoderLayer", "DeepseekV3DecoderLayer",
+                      "Llama4TextDecoderLayer", "Glm4DecoderLayer", "Glm4MoeDecoderLayer")
 # Why no EAGLE drafter taps these (checked against vLLM 0.33.0 and sglang 0.5.23, the PyPI wheels).
 REFUSED_LAYERS = {
     "Gemma3DecoderLayer": (
@@ -93,21 +99,36 @@ def check_target_architecture(target, family: str) -> type:
             f"{family} drafters cannot serve on this target ({model_type}, {name}): {REFUSED_LAYERS[name]}. Train "
             "medusa1, medusa2, mlp_speculator or distillspec for it."
         )
-    if name not in SUPPORTED_LAYERS + MOE_LAYERS:
+    if name not in SUPPORTED_LAYERS + TAPPED_ONLY_LAYERS:
         raise SpecdraftError(
-            f"{family} drafters support targets built from {', '.join(SUPPORTED_LAYERS + MOE_LAYERS)}; this target "
+            f"{family} drafters support targets built from {', '.join(SUPPORTED_LAYERS + TAPPED_ONLY_LAYERS)}; this target "
             f"({model_type}) uses {name}. Use one of those targets, or another drafter family "
             "(medusa1, medusa2, mlp_speculator and distillspec read only the final hidden state or the logits)."
         )
     return layer_cls
 
 
-def make_rotary(target) -> nn.Module:
-    """A fresh copy of the target's rotary embedding (same rope type, scaling and head_dim).
+def draft_rope_parameters(rope_parameters: dict) -> dict:
+    """The RoPE of the drafters' own layers: the target's type, theta and scaling, over the whole head.
 
-    The draft attends over the same positions as the target, so it uses the target's RoPE.
+    GLM-4 rotates a part of each head (partial_rotary_factor); the draft layer is a Llama layer, which vLLM and
+    SGLang rotate over the part its config names, so the draft rotates all of it and its export names no part
+    (``eagle_export._rope_fields`` writes these parameters).
     """
-    return type(target.base.rotary_emb)(config=target.config)
+    return {k: v for k, v in rope_parameters.items() if k != "partial_rotary_factor"}
+
+
+def make_rotary(target) -> nn.Module:
+    """A fresh Llama rotary embedding over the target's RoPE parameters (rope type, scaling, head_dim).
+
+    The draft attends over the same positions as the target, so it uses the target's RoPE type and scaling (gpt-oss:
+    yarn, with its truncate: false; Llama-4: llama3). vLLM and SGLang build the draft layer's RoPE from its config
+    with get_rope, neox-style (rotate_half), whatever the target's own rotary module lays out (gpt-oss: half-width
+    cos/sin; Llama-4: complex frequencies); LlamaRotaryEmbedding computes exactly that from the same parameters.
+    """
+    config = copy.copy(target.config)
+    config.rope_parameters = draft_rope_parameters(target.config.rope_parameters)
+    return LlamaRotaryEmbedding(config=config)
 
 
 def head_dim_of(config) -> int:

@@ -68,6 +68,7 @@ import torch
 from ..contract import Exporter, ExportOptions
 from ..dtypes import export_dtype
 from ..errors import SpecdraftError
+from .eagle_common import draft_rope_parameters
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema the vLLM export follows
 EMBED = "embed_tokens.weight"  # the target's token embedding, as EAGLE-3 engine exports ship it
@@ -105,9 +106,10 @@ def _rope_fields(tc: dict) -> dict:
         scaling = tc.get("rope_scaling") or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         params = {**scaling, "rope_type": rope_type, "rope_theta": tc.get("rope_theta", 10000.0)}
+    params = draft_rope_parameters(params)  # the draft layer rotates its whole head (GLM-4's target does not)
     scaling = None if params.get("rope_type", "default") == "default" else {
         k: v for k, v in params.items() if k != "rope_theta"}
-    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling, "rope_parameters": dict(params)}
+    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling, "rope_parameters": params}
 
 
 def _layer_fields(saved: dict, tensors: dict, model_type: str, vocab_size: int) -> dict:
@@ -143,16 +145,20 @@ def _layer_fields(saved: dict, tensors: dict, model_type: str, vocab_size: int) 
 # Targets (transformers model_type) each engine feeds a draft from captured layers, among those specdraft's EAGLE-3
 # and DFlash drafters tap. vLLM 0.33.0: the target's model class implements SupportsEagle3
 # (v1/worker/gpu_model_runner.py raises "Model does not support EAGLE3 interface" otherwise; DFlash also runs on
-# aux hidden states): llama.py (MistralForCausalLM subclasses it), qwen2.py, qwen3.py, qwen3_moe.py; mixtral.py
-# does not. sglang 0.5.23 (model_executor/model_runner_components/attention_backend_setup.py raises without
-# them): the model class has set_eagle3_layers_to_capture (llama.py, which mistral.py subclasses, qwen2.py,
-# qwen3.py, qwen3_moe.py) or set_dflash_layers_to_capture (llama.py, qwen3.py, qwen3_moe.py); mixtral.py has
-# neither.
+# aux hidden states): llama.py (MistralForCausalLM and llama4.py's Llama4ForCausalLM subclass it; mllama4.py's
+# Llama4ForConditionalGeneration too), qwen2.py, qwen3.py, qwen3_moe.py, gpt_oss.py, deepseek_v2.py
+# (DeepseekV3ForCausalLM subclasses DeepseekV2ForCausalLM); mixtral.py, glm4.py and glm4_moe.py do not.
+# sglang 0.5.23 (model_executor/model_runner_components/attention_backend_setup.py raises without them): the model
+# class has set_eagle3_layers_to_capture (llama.py, which mistral.py and llama4.py subclass, qwen2.py, qwen3.py,
+# qwen3_moe.py, gpt_oss.py, deepseek_v2.py, glm4_moe.py) or set_dflash_layers_to_capture (llama.py, qwen3.py,
+# qwen3_moe.py, gpt_oss.py, deepseek_v2.py); mixtral.py and glm4.py have neither. Every one of these captures
+# hidden + residual at a layer's input, as llama.py does.
 SERVED_TARGETS = {
-    ("vLLM", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
-    ("SGLang", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
-    ("vLLM", "DFlash"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"),
-    ("SGLang", "DFlash"): ("llama", "mistral", "qwen3", "qwen3_moe"),
+    ("vLLM", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text"),
+    ("SGLang", "EAGLE-3"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3",
+                            "llama4_text", "glm4_moe"),
+    ("vLLM", "DFlash"): ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text"),
+    ("SGLang", "DFlash"): ("llama", "mistral", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text"),
 }
 
 
@@ -245,6 +251,14 @@ def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[d
         )
     _check_tensor_names(set(tensors), EAGLE3_TENSORS, "SGLang's LlamaForCausalLMEagle3")
     check_served_target(saved, "SGLang", "EAGLE-3")
+    layer_ids = sglang_layer_ids(_served_taps(saved))
+    if saved["target_config"].get("model_type") == "deepseek_v3" and layer_ids[0] != 1:
+        raise SpecdraftError(
+            "SGLang 0.5.23's DeepseekV3ForCausalLM (srt/models/deepseek_v2.py, set_eagle3_layers_to_capture) adds 1 "
+            "to the draft's eagle_aux_hidden_state_layer_ids only when the first id is 1, and otherwise captures "
+            f"one layer early; this drafter's taps {list(saved['target_taps'])} make them {layer_ids}. Retrain with "
+            "the first tap at layer 2 (target.taps: eagle3 picks 2, L/2 and L-3), or export --format vllm."
+        )
     V, N, out = _eagle3_vocab(saved, tensors)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -258,7 +272,7 @@ def eagle3_to_sglang(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[d
         "fc_norm": False,
         "norm_output": False,  # the next step's hidden is the pre-norm output
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(_served_taps(saved)),
+            "eagle_aux_hidden_state_layer_ids": layer_ids,
             "use_aux_hidden_state": True,
         },
     }
