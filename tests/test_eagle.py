@@ -709,3 +709,48 @@ def test_the_borrowed_lm_head_runs_as_one_product_over_all_rows(bf16):
     assert all(name != "bmm" for name, _ in head_products), head_products
     assert not any(name in ("copy_", "clone", "expand", "contiguous") and any(len(s) == 3 and vocab in s
                and hidden in s for s in shapes) for name, shapes in ops.calls), "the head was copied per row"
+
+
+def saved_for_backward(compute) -> list[torch.Tensor]:
+    """The tensors autograd keeps for the backward while ``compute()`` runs (outside any checkpoint)."""
+    kept = []
+
+    def pack(tensor):
+        kept.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = compute()
+    return result, kept
+
+
+def test_eagle3_checkpoint_logits_keeps_no_draft_logits_and_changes_nothing():
+    # drafter.checkpoint_logits recomputes each step's draft logits and loss in the backward: the same loss,
+    # metrics and gradients, and no [.., draft vocab] float tensor of the draft's kept between forward and
+    # backward (the target's p, an input, is kept either way).
+    target = tiny_target("llama")
+    batch = make_batch(B=2, T=20)
+    target_out = target.forward_batch(batch)
+    results = {}
+    for flag in (False, True):
+        drafter = build("eagle3", target, ttt_steps=3, checkpoint_logits=flag)
+        out, kept = saved_for_backward(lambda: drafter.compute_loss(batch, target_out))
+        out.loss.backward()
+        vocab = drafter.draft_vocab_size
+        logits_kept = [t for t in kept if t.dim() >= 2 and t.shape[-1] == vocab and t.is_floating_point()
+                       and t.requires_grad]
+        results[flag] = (out, {n: p.grad.clone() for n, p in drafter.trained_module().named_parameters()
+                               if p.grad is not None}, logits_kept)
+    (plain, plain_grads, plain_kept), (ckpt, ckpt_grads, ckpt_kept) = results[False], results[True]
+    assert plain_kept, "without checkpointing the loss keeps the draft's log-probabilities"
+    assert not ckpt_kept, [tuple(t.shape) for t in ckpt_kept]
+    assert torch.equal(plain.loss, ckpt.loss)
+    assert {k: v.item() for k, v in plain.metrics.items()} == {k: v.item() for k, v in ckpt.metrics.items()}
+    assert plain_grads.keys() == ckpt_grads.keys()
+    for name in plain_grads:
+        assert torch.equal(plain_grads[name], ckpt_grads[name]), name
+
+
+def test_eagle3_checkpoint_logits_must_be_a_bool():
+    with pytest.raises(SpecdraftError, match="checkpoint_logits must be true or false"):
+        Eagle3Config(checkpoint_logits="yes")

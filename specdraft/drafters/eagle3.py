@@ -57,6 +57,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -99,6 +100,10 @@ class Eagle3Config:
     # capture layers of; qwen3 adds QK-norm (an RMSNorm over each head's queries and keys before RoPE), vLLM's
     # Eagle3Qwen3ForCausalLM, which SGLang 0.5.23 does not have.
     draft_layer: str = "llama"
+    # Recompute each step's draft logits and loss in the backward instead of keeping them: the [T, draft vocab]
+    # float32 tensors the loss keeps for its backward are about 40% of what a step keeps on SmolLM2
+    # (eval/bench_long_context.py), for one more LM head forward per step. For long samples.
+    checkpoint_logits: bool = False
 
     # The EAGLE-3 reference's optimizer (eagle/traineagle3/ds_config.json): AdamW betas (0.9, 0.95), no weight
     # decay, gradient-norm clipping at 0.5, and DeepSpeed's WarmupDecayLR: a warmup to the peak lr 5e-5 over
@@ -117,6 +122,8 @@ class Eagle3Config:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise SpecdraftError("drafter.draft_vocab_size must be >= 1, or null for the full vocabulary")
         check_drafter_loss(self.loss)
+        if not isinstance(self.checkpoint_logits, bool):
+            raise SpecdraftError(f"drafter.checkpoint_logits must be true or false, got {self.checkpoint_logits!r}")
         if self.draft_layer not in DRAFT_LAYERS:
             raise SpecdraftError(f"drafter.draft_layer must be one of {', '.join(DRAFT_LAYERS)}, got "
                                  f"{self.draft_layer!r} (llama: the EAGLE-3 reference's; qwen3: with QK-norm)")
@@ -273,6 +280,11 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
             outputs.append(hidden)
         return outputs
 
+    def step_loss(self, hidden, step_target, weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training-time-test step's loss against p, and the draft's top-1 ids (for the metrics)."""
+        logits = self.draft_logits(hidden)
+        return DRAFTER_LOSSES[self.config.loss](logits, step_target, weight), logits.argmax(-1).detach()
+
     def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
         ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
         seq_ids = batch.get("seq_ids")
@@ -291,15 +303,19 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
             # Step k, row i predicts t_{i+k+2} ~ logits[:, i+k+1], weighted by loss_mask[:, i+k+2]
             # (the loop's loss_mask[:, 1:] convention). Rows 0..T-k-3 have a target.
             rows = max(T - k - 2, 0)
-            logits = self.draft_logits(hidden[:, :rows])
             step_target = target_probs[:, k + 1 : k + 1 + rows]
             weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 2 :]
             weight = weight & attention[:, :rows] & attention[:, k + 2 :]
             if seq_ids is not None:  # packing: the predicted token must be in row i's document
                 weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
-            losses.append(DRAFTER_LOSSES[self.config.loss](logits, step_target, weight))
+            if self.config.checkpoint_logits and torch.is_grad_enabled():
+                step_loss, draft_top = checkpoint(self.step_loss, hidden[:, :rows], step_target, weight,
+                                                  use_reentrant=False)
+            else:
+                step_loss, draft_top = self.step_loss(hidden[:, :rows], step_target, weight)
+            losses.append(step_loss)
             with torch.no_grad():  # the target's top-1 within the draft vocabulary
-                correct.append(logits.argmax(-1) == step_target.argmax(-1))
+                correct.append(draft_top == step_target.argmax(-1))
                 counted.append(weight)
 
         weights = ttt_step_weights(len(losses), self.config.step_weight_decay)
