@@ -141,7 +141,10 @@ def _zero_shard_file(ckpt: Path, rank: int) -> Path:
 @contextmanager
 def _zero_state_classes():
     """The plain-data DeepSpeed classes a ZeRO optimizer state holds, allowed for weights_only loads."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # optional: deepspeed
+    from deepspeed.runtime.fp16.loss_scaler import (  # optional: deepspeed
+        DynamicLossScaler,
+        LossScaler,
+    )
     from deepspeed.runtime.zero.config import ZeroStageEnum  # optional: deepspeed
     from deepspeed.utils.tensor_fragment import fragment_address  # optional: deepspeed
 
@@ -215,14 +218,20 @@ def fsdp_slices(model, weights: dict) -> dict:
 
 def _fsdp_optimizer_state(step_module, optimizer) -> dict:
     """The optimizer's whole state, keyed by parameter name, on the main process (every process calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     return get_optimizer_state_dict(step_module, _torch_optimizer(optimizer),
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _load_fsdp_optimizer_state(step_module, optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
 
     set_optimizer_state_dict(step_module, _torch_optimizer(optimizer), optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))

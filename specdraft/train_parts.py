@@ -102,6 +102,16 @@ def check_fsdp(accelerator) -> None:
             f"FSDP version {plugin.fsdp_version}: specdraft trains and checkpoints under FSDP2 only. Set "
             "fsdp_version: 2 in the launcher config's fsdp_config (as recipes/accelerate/fsdp.yaml does)."
         )
+    if plugin.cpu_ram_efficient_loading:
+        # transformers then loads every model on the processes after the first of each node with placeholder
+        # weights, for FSDP to broadcast at prepare: the frozen target is never prepared, and would stay so.
+        raise SpecdraftError(
+            "FSDP with cpu_ram_efficient_loading (accelerate's default): every process but the first of each node "
+            "would load the frozen target with placeholder weights, and only the module accelerate prepares (the "
+            "drafter) gets the first process's weights broadcast. "
+            "Set fsdp_cpu_ram_efficient_loading: false in the launcher config's fsdp_config (as "
+            "recipes/accelerate/fsdp.yaml does)."
+        )
     if plugin.auto_wrap_policy is not None:
         # A unit's parameters are gathered by its own forward, but the loop calls the drafter's prepare and
         # compute_loss: a wrapped submodule's parameters would be used still sharded.

@@ -9,8 +9,8 @@ launch for that reason (``train_parts.check_fsdp``). This runner sets that one f
 accelerate's process state, to MULTI_GPU after the gloo process group is up; everything after it is accelerate's
 FSDP2 code path as on GPUs (the plugin read from the FSDP_* environment `accelerate launch --config_file
 recipes/accelerate/fsdp.yaml` sets, ``fully_shard`` at prepare, its gradient clipping and accumulation) and
-specdraft's loop and checkpoints, unchanged. FSDP_AUTO_WRAP_POLICY may be set by the caller (default NO_WRAP, as
-the shipped configs).
+specdraft's loop and checkpoints, unchanged. The FSDP settings are the ones `accelerate launch` derives from the
+shipped recipes/accelerate/fsdp.yaml; a variable the caller sets (FSDP_AUTO_WRAP_POLICY=...) replaces its own.
 """
 
 import os
@@ -20,19 +20,17 @@ import probe_family  # noqa: F401  (registers the "probe" family)
 import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
+from accelerate_launch import ACCELERATE_CONFIGS, launch_plan
 
 from specdraft.cli import main
 
-# What `accelerate launch --config_file recipes/accelerate/fsdp.yaml` puts in the environment (less bf16: CPU runs
-# compare float32 weights).
-FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "NO_WRAP",
-            "FSDP_MIN_NUM_PARAMS": "1000000", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
-            "FSDP_OFFLOAD_PARAMS": "false", "FSDP_RESHARD_AFTER_FORWARD": "true"}
-
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for key, value in FSDP_ENV.items():
-        os.environ.setdefault(key, value)
+    _, launch_env = launch_plan(ACCELERATE_CONFIGS / "fsdp.yaml", "--num_processes", os.environ["WORLD_SIZE"],
+                                "--main_process_port", "0")
+    for key, value in launch_env.items():
+        if key == "ACCELERATE_USE_FSDP" or key.startswith("FSDP_"):
+            os.environ.setdefault(key, value)
     PartialState(backend="gloo")
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
     sys.exit(main())

@@ -10,17 +10,31 @@ resume exactly, and the FSDP launches specdraft cannot train are refused before 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import probe_family  # noqa: F401  (registers the "probe" family)
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from safetensors.torch import load_file
-from spine import (DDP_ENV, SAME_WEIGHTS_REL, TESTS, assert_same_weights, built_once, drafter_weights, free_port,
-                   largest_relative_change, make_chat_data, make_recipe, write_recipe)
+from spine import (
+    DDP_ENV,
+    SAME_WEIGHTS_REL,
+    TESTS,
+    assert_same_weights,
+    built_once,
+    drafter_weights,
+    free_port,
+    largest_relative_change,
+    make_chat_data,
+    make_recipe,
+    write_recipe,
+)
 from tiny import save_tiny_target
 
 import specdraft.train as train_module
@@ -28,6 +42,7 @@ from specdraft.checkpoint import checkpoint_dirs
 from specdraft.config import load_recipe
 from specdraft.errors import SpecdraftError
 from specdraft.train import train
+from specdraft.train_parts import check_fsdp
 
 STEPS, SAVE_AT = 4, 2
 
@@ -190,3 +205,57 @@ def test_an_fsdp_checkpoint_resumed_without_fsdp_is_refused(accelerate_runs, tmp
                           text=True, timeout=300)
     assert done.returncode != 0
     assert "was written by a FSDP run and this run is MULTI_CPU" in done.stderr, done.stderr[-3000:]
+
+
+REFUSED_FSDP_LAUNCHES = {
+    # accelerate's size-based policy wraps submodules as FSDP units of their own, gathered only by their own
+    # forward: the drafter's methods would meet them sharded (a "mixed torch.Tensor and DTensor" error mid-step)
+    "auto_wrap": ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000"}, {},
+                  "Set fsdp_auto_wrap_policy: NO_WRAP"),
+    # transformers would load the target with placeholder weights on every process but the first of a node
+    "cpu_ram_efficient_loading": ({"FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, {},
+                                  "Set fsdp_cpu_ram_efficient_loading: false"),
+    # Medusa-2's adapters sit inside the target: FSDP would shard the frozen target with them, and the
+    # acceptance eval at the end (the main process alone) would meet the target's slices
+    "medusa2": ({}, {"family": "medusa2", "num_heads": 2, "num_layers": 1, "draft_vocab_size": None},
+                "FSDP would shard the frozen target.*Train it with DDP or DeepSpeed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_FSDP_LAUNCHES))
+def test_fsdp_launches_the_loop_cannot_train_are_refused_before_training(accelerate_runs, tmp_path, case):
+    env, drafter, message = REFUSED_FSDP_LAUNCHES[case]
+    recipe = make_recipe(tmp_path, accelerate_runs / "target", accelerate_runs / "chat.jsonl",
+                         training={"max_steps": 2})
+    recipe["drafter"] = drafter or {"family": "eagle3", "ttt_steps": 2, "draft_vocab_size": None}
+    recipe["target"]["taps"] = [] if drafter else [1, 2, 3]
+    done = fsdp_train(1, write_recipe(tmp_path / "recipe.yaml", recipe), env=env)
+    assert done.returncode != 0
+    assert re.search(message, done.stderr), done.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before the first step
+
+
+def test_the_shipped_fsdp_config_on_cpu_processes_is_refused(accelerate_runs, tmp_path):
+    """accelerate takes FSDP only for accelerators: on CPU processes it would silently train DDP instead."""
+    recipe = make_recipe(tmp_path, accelerate_runs / "target", accelerate_runs / "chat.jsonl")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(TESTS.parent / "recipes" / "accelerate" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
+           "no", "--main_process_port", str(free_port()), str(TESTS / "run_probe_train.py"), "train",
+           str(write_recipe(tmp_path / "recipe.yaml", recipe)), "--no-progress"]
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", **DDP_ENV},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "accelerate runs FSDP only on GPUs" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_fsdp1_is_refused(monkeypatch):
+    """FSDP1 (accelerate's default fsdp_version): its plugin cannot be built on CPU (accelerate asks for a GPU), so
+    the check is given what accelerate builds on GPUs, an FSDP state with a version-1 plugin."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    plugin = SimpleNamespace(fsdp_version=1, cpu_ram_efficient_loading=False, auto_wrap_policy=None)
+    accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin))
+    with pytest.raises(SpecdraftError, match="Set fsdp_version: 2"):
+        check_fsdp(accelerator)
+    plugin.fsdp_version = 2
+    check_fsdp(accelerator)  # the shipped settings pass
