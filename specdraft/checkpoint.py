@@ -378,10 +378,11 @@ def _trained_file(ckpt: Path) -> Path:
 
 
 def check_resumable(accelerator, ckpt: Path) -> None:
-    """--resume, before anything loads: the checkpoint was written by as many processes as this run has, and
-    by the same kind of run (FSDP or not). Each process's data position and RNG streams resume only in the same
-    setup (and so do ZeRO optimizer shards); FSDP's optimizer state is keyed by parameter name, the others' by
-    position. A checkpoint records both (``trainer_state.json``: world_size, distributed_type)."""
+    """--resume, before anything loads: the checkpoint was written by as many processes as this run has (each
+    process's data position and RNG streams resume only in the same setup, and so do ZeRO optimizer shards), and
+    an FSDP run resumes only an FSDP checkpoint: FSDP loads the optimizer's state by parameter name, which other
+    runs do not save (they save it by position, which any run reads, an FSDP checkpoint's too). A checkpoint
+    records both (``trainer_state.json``: world_size, distributed_type)."""
     state = json.loads((ckpt / STATE_FILE).read_text())
     saved = state.get("world_size", 1)
     if saved != accelerator.num_processes:
@@ -392,9 +393,9 @@ def check_resumable(accelerator, ckpt: Path) -> None:
             "the launcher config it was trained with), or start again with --overwrite."
         )
     written = state.get("distributed_type", DistributedType.NO.value)
-    if (written == DistributedType.FSDP.value) != uses_fsdp(accelerator):
+    if uses_fsdp(accelerator) and written != DistributedType.FSDP.value:
         raise SpecdraftError(
-            f"checkpoint {ckpt} was written by a {written} run and this run is {accelerator.distributed_type.value}: "
-            "FSDP checkpoints resume only under FSDP, and others only without it. Resume with the launcher config "
-            "it was trained with, or start again with --overwrite."
+            f"checkpoint {ckpt} was written by a {written} run, without FSDP, and this run is FSDP, which loads the "
+            "optimizer's state by parameter name (other runs save it by position). Resume it with the launcher "
+            "config it was trained with, or start again with --overwrite."
         )

@@ -193,18 +193,32 @@ def test_resuming_an_fsdp_checkpoint_with_another_process_count_is_refused_befor
         train(recipe, resume=True, show_progress=False)
 
 
-def test_an_fsdp_checkpoint_resumed_without_fsdp_is_refused(accelerate_runs, tmp_path):
-    """Same process count, another kind of run: FSDP's optimizer state is keyed by name, DDP's by position."""
+def test_an_fsdp_checkpoint_resumes_under_ddp_on_as_many_processes(accelerate_runs, tmp_path):
+    """Its files are those of a DDP run (whole tensors; the optimizer's state by name, which a plain optimizer
+    reads by position): DDP on 2 processes resumes it from step 2 and ends at the FSDP run's weights."""
     run_dir = tmp_path / "run"
     shutil.copytree(accelerate_runs / "fsdp" / "run", run_dir)
+    shutil.rmtree(run_dir / "drafter")
+    shutil.rmtree(checkpoint_dirs(run_dir)[-1])
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
            str(free_port()), "-m", "specdraft", "train", str(accelerate_runs / "fsdp.yaml"),
            f"checkpoint.output_dir={run_dir}", "--resume", "--no-progress"]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **DDP_ENV}, capture_output=True,
                           text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    assert_same_weights(drafter_weights(run_dir), drafter_weights(accelerate_runs / "fsdp" / "run"))
+
+
+def test_a_checkpoint_written_without_fsdp_resumed_under_fsdp_is_refused(accelerate_runs, tmp_path):
+    """The other way fails inside torch (a KeyError 'state.0.step' from set_optimizer_state_dict) without the
+    check: FSDP loads the optimizer's state by parameter name, which a one-process checkpoint does not save."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(accelerate_runs / "one" / "run", run_dir)
+    done = fsdp_train(1, accelerate_runs / "one.yaml", f"checkpoint.output_dir={run_dir}", "--resume")
     assert done.returncode != 0
-    assert "was written by a FSDP run and this run is MULTI_CPU" in done.stderr, done.stderr[-3000:]
+    assert "without FSDP, and this run is FSDP" in done.stderr, done.stderr[-3000:]
 
 
 REFUSED_FSDP_LAUNCHES = {
