@@ -9,10 +9,10 @@ A run folder:
       rng-rank{r}.pt                   every process's RNG streams
       optimizer-rank{r}.pt             instead of optimizer.pt under DeepSpeed ZeRO: each process's shard
       trainer_state.json               step, data position, world size, distributed type
-
-Under FSDP2 the checkpoint has the same layout: the drafter's shards are gathered into whole tensors and the
-optimizer's state into one whole state dict keyed by parameter name (``optimizer.pt``).
   RUN/drafter/                         the final drafter, at the end of training
+
+Under FSDP2 a checkpoint has the same files: the drafter's shards are gathered into whole tensors, and the
+optimizer's state into one whole state dict keyed by parameter name (``optimizer.pt``).
 
 Each checkpoint is written into ``.tmp-step-...`` and renamed into place, so a
 crash or a full disk mid-write never damages the previous one.
@@ -141,10 +141,7 @@ def _zero_shard_file(ckpt: Path, rank: int) -> Path:
 @contextmanager
 def _zero_state_classes():
     """The plain-data DeepSpeed classes a ZeRO optimizer state holds, allowed for weights_only loads."""
-    from deepspeed.runtime.fp16.loss_scaler import (  # optional: deepspeed
-        DynamicLossScaler,
-        LossScaler,
-    )
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # optional: deepspeed
     from deepspeed.runtime.zero.config import ZeroStageEnum  # optional: deepspeed
     from deepspeed.utils.tensor_fragment import fragment_address  # optional: deepspeed
 
@@ -218,20 +215,14 @@ def fsdp_slices(model, weights: dict) -> dict:
 
 def _fsdp_optimizer_state(step_module, optimizer) -> dict:
     """The optimizer's whole state, keyed by parameter name, on the main process (every process calls it)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(step_module, _torch_optimizer(optimizer),
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _load_fsdp_optimizer_state(step_module, optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(step_module, _torch_optimizer(optimizer), optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))
@@ -285,7 +276,8 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, opt
                 save_file(separate_tensors(trained_tensors(trained)), str(tmp / TRAINED_FILE))
         if accelerator.is_main_process:
             if not zero:
-                torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state, tmp / "optimizer.pt")
+                whole = optimizer.state_dict() if optimizer_state is None else optimizer_state
+                torch.save(whole, tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             # Written last: its presence marks the checkpoint complete.
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))

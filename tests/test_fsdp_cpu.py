@@ -22,19 +22,8 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
-from spine import (
-    DDP_ENV,
-    SAME_WEIGHTS_REL,
-    TESTS,
-    assert_same_weights,
-    built_once,
-    drafter_weights,
-    free_port,
-    largest_relative_change,
-    make_chat_data,
-    make_recipe,
-    write_recipe,
-)
+from spine import (DDP_ENV, SAME_WEIGHTS_REL, TESTS, assert_same_weights, built_once, ddp_launcher, drafter_weights,
+                   free_port, largest_relative_change, make_chat_data, make_recipe, write_recipe)
 from tiny import save_tiny_target
 
 import specdraft.train as train_module
@@ -200,9 +189,7 @@ def test_an_fsdp_checkpoint_resumes_under_ddp_on_as_many_processes(accelerate_ru
     shutil.copytree(accelerate_runs / "fsdp" / "run", run_dir)
     shutil.rmtree(run_dir / "drafter")
     shutil.rmtree(checkpoint_dirs(run_dir)[-1])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           str(free_port()), "-m", "specdraft", "train", str(accelerate_runs / "fsdp.yaml"),
+    cmd = [*ddp_launcher(2), "-m", "specdraft", "train", str(accelerate_runs / "fsdp.yaml"),
            f"checkpoint.output_dir={run_dir}", "--resume", "--no-progress"]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **DDP_ENV}, capture_output=True,
                           text=True, timeout=300)

@@ -11,17 +11,8 @@ import pytest
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.utils import DistributedType
 from accelerate_launch import ACCELERATE_CONFIGS, launch_plan
-from spine import (
-    DDP_ENV,
-    SAME_WEIGHTS_REL,
-    assert_same_weights,
-    drafter_weights,
-    free_port,
-    largest_relative_change,
-    make_chat_data,
-    make_recipe,
-    write_recipe,
-)
+from spine import (DDP_ENV, SAME_WEIGHTS_REL, assert_same_weights, drafter_weights, free_port,
+                   largest_relative_change, make_chat_data, make_recipe, write_recipe)
 from tiny import save_tiny_target
 
 from specdraft.checkpoint import checkpoint_dirs
