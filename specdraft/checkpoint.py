@@ -8,8 +8,11 @@ A run folder:
       optimizer.pt, scheduler.pt       tensors and plain containers only (weights_only=True loads)
       rng-rank{r}.pt                   every process's RNG streams
       optimizer-rank{r}.pt             instead of optimizer.pt under DeepSpeed ZeRO: each process's shard
-      trainer_state.json               step, data position, world size
+      trainer_state.json               step, data position, world size, distributed type
   RUN/drafter/                         the final drafter, at the end of training
+
+Under FSDP2 a checkpoint has the same files: the drafter's shards are gathered into whole tensors, and the
+optimizer's state into one whole state dict keyed by parameter name (``optimizer.pt``).
 
 Each checkpoint is written into ``.tmp-step-...`` and renamed into place, so a
 crash or a full disk mid-write never damages the previous one.
@@ -103,6 +106,10 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _torch_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # torch's optimizer inside accelerate's wrapper
+
+
 # -- DeepSpeed ZeRO (begin) ------------------------------------------------------------------------
 # ZeRO-2/3 split the optimizer state (and fp32 master weights) across processes, so each process
 # saves and loads its own shard; ZeRO-3 also splits every parameter, so whole tensors are gathered
@@ -112,11 +119,14 @@ def uses_deepspeed(accelerator) -> bool:
 
 
 def full_parameters(accelerator, model, modify: bool = False):
-    """Context in which ``model`` holds whole tensors on every process (ZeRO-3); a no-op otherwise.
+    """Context in which ``model`` holds whole tensors on every process (ZeRO-3, FSDP2); a no-op otherwise.
 
-    Every process must enter it. ``modify=True``: the main process's values are scattered back
-    to all shards on exit (after loading weights).
+    Every process must enter it. ``modify=True``: the main process's values are scattered back to all
+    shards on exit (after loading weights). FSDP2 loads through its own hooks instead, from weights cut
+    into this process's slices (``fsdp_slices``): a no-op there.
     """
+    if uses_fsdp(accelerator):
+        return nullcontext() if modify else _fsdp_whole_parameters(model)
     if not uses_deepspeed(accelerator):
         return nullcontext()
     import deepspeed  # optional: the deepspeed extra (ZeRO runs only)
@@ -155,11 +165,70 @@ def _load_zero_shard(accelerator, optimizer, shard: dict) -> None:
     # reads only its own. load_from_fp32_weights: restore the fp32 master copy exactly (bf16/fp16 runs).
     shards = [None] * accelerator.num_processes
     shards[accelerator.process_index] = shard
-    zero_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
-    zero_optimizer.load_state_dict(shards, load_from_fp32_weights=True)
+    _torch_optimizer(optimizer).load_state_dict(shards, load_from_fp32_weights=True)
 
 
 # -- DeepSpeed ZeRO (end) --------------------------------------------------------------------------
+
+
+# -- FSDP2 (begin) ---------------------------------------------------------------------------------
+# accelerate's FSDP2 shards the module it prepares (the TrainStep: the drafter's trained module; the frozen
+# target is outside it) into DTensor parameters, one slice per process. A checkpoint holds them whole, and
+# the optimizer's state whole, keyed by parameter name, so its files are those of a DDP run.
+def uses_fsdp(accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+@contextmanager
+def _fsdp_whole_parameters(model):
+    """Each sharded parameter of ``model`` replaced by its whole tensor (an all-gather on every process), for
+    reading, and the sharded one put back on exit: those are the ones FSDP and the optimizer hold. Outside
+    forward and backward FSDP2 keeps them registered and leaves the swap alone."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # the root stays unsharded after a forward with no backward (the held-out loss)
+    swapped = []
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                setattr(module, name, torch.nn.Parameter(param.full_tensor(), requires_grad=param.requires_grad))
+                swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, sharded in swapped:
+            setattr(module, name, sharded)
+
+
+def fsdp_slices(model, weights: dict) -> dict:
+    """Whole tensors, each cut as ``model``'s sharded parameter of that name is, for its load_state_dict. Every
+    process read the same file, so each keeps its own slice: no communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    current = model.state_dict()
+    return {name: distribute_tensor(tensor, current[name].device_mesh, current[name].placements, src_data_rank=None)
+            if isinstance(current.get(name), DTensor) else tensor for name, tensor in weights.items()}
+
+
+def _fsdp_optimizer_state(step_module, optimizer) -> dict:
+    """The optimizer's whole state, keyed by parameter name, on the main process (every process calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(step_module, _torch_optimizer(optimizer),
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _load_fsdp_optimizer_state(step_module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(step_module, _torch_optimizer(optimizer), optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+# -- FSDP2 (end) -----------------------------------------------------------------------------------
 
 
 def checkpoint_bytes(run_dir: Path, drafter, optimizer) -> int:
@@ -197,6 +266,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, opt
         zero = uses_deepspeed(accelerator)
         if zero:
             torch.save(optimizer.state_dict(), _zero_shard_file(tmp, accelerator.process_index))
+        optimizer_state = _fsdp_optimizer_state(drafter, optimizer) if uses_fsdp(accelerator) else None
         accelerator.wait_for_everyone()  # every shard is on disk before rank 0 marks the checkpoint complete
         with full_parameters(accelerator, drafter):
             if accelerator.is_main_process:
@@ -206,7 +276,8 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, opt
                 save_file(separate_tensors(trained_tensors(trained)), str(tmp / TRAINED_FILE))
         if accelerator.is_main_process:
             if not zero:
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                whole = optimizer.state_dict() if optimizer_state is None else optimizer_state
+                torch.save(whole, tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             # Written last: its presence marks the checkpoint complete.
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
@@ -232,12 +303,14 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, opt
     return final
 
 
-def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+def load_checkpoint(accelerator, ckpt: Path, drafter, trained, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and this rank's RNG; returns the trainer state.
+
+    ``drafter`` is the module accelerate prepared, ``trained`` the trained module inside it (as in
+    ``save_checkpoint``)."""
     zero = uses_deepspeed(accelerator)
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
-        _check_world_size(accelerator, ckpt, state.get("world_size", 1))
         weights = load_file(_trained_file(ckpt), device="cpu")
         if not zero and not (ckpt / "optimizer.pt").is_file() and _zero_shard_file(ckpt, 0).is_file():
             raise SpecdraftError(
@@ -256,7 +329,9 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
             f"checkpoint {ckpt} is corrupt or incomplete ({type(e).__name__}: {e}). Delete that folder to "
             "resume from the one before it, or start again with --overwrite."
         ) from e
-    model = accelerator.unwrap_model(drafter)
+    model = accelerator.unwrap_model(trained)
+    if uses_fsdp(accelerator):
+        weights = fsdp_slices(model, weights)
     with full_parameters(accelerator, model, modify=True):
         missing, unexpected = model.load_state_dict(weights, strict=False)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -267,6 +342,8 @@ def load_checkpoint(accelerator, ckpt: Path, drafter, optimizer, scheduler) -> d
         )
     if zero:
         _load_zero_shard(accelerator, optimizer, optim_state)
+    elif uses_fsdp(accelerator):
+        _load_fsdp_optimizer_state(drafter, optimizer, optim_state)
     else:
         optimizer.load_state_dict(optim_state)
     scheduler.load_state_dict(sched_state)
@@ -292,13 +369,25 @@ def _trained_file(ckpt: Path) -> Path:
     return ckpt / TRAINED_FILE  # missing: reading it reports the checkpoint as incomplete
 
 
-def _check_world_size(accelerator, ckpt: Path, saved: int) -> None:
-    """A resume is exact only with the process count that wrote the checkpoint: the data position
-    and the RNG streams are per process (and so are ZeRO optimizer shards)."""
+def check_resumable(accelerator, ckpt: Path) -> None:
+    """--resume, before anything loads: the checkpoint was written by as many processes as this run has (each
+    process's data position and RNG streams resume only in the same setup, and so do ZeRO optimizer shards), and
+    an FSDP run resumes only an FSDP checkpoint: FSDP loads the optimizer's state by parameter name, which other
+    runs do not save (they save it by position, which any run reads, an FSDP checkpoint's too). A checkpoint
+    records both (``trainer_state.json``: world_size, distributed_type)."""
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    saved = state.get("world_size", 1)
     if saved != accelerator.num_processes:
         raise SpecdraftError(
             f"checkpoint {ckpt} was written by {saved} process(es) and this run has "
             f"{accelerator.num_processes}: each process's data position and RNG resume only in the same "
             f"setup. Resume with {saved} process(es) (`accelerate launch --num_processes {saved} ...`, with "
             "the launcher config it was trained with), or start again with --overwrite."
+        )
+    written = state.get("distributed_type", DistributedType.NO.value)
+    if uses_fsdp(accelerator) and written != DistributedType.FSDP.value:
+        raise SpecdraftError(
+            f"checkpoint {ckpt} was written by a {written} run, without FSDP, and this run is FSDP, which loads the "
+            "optimizer's state by parameter name (other runs save it by position). Resume it with the launcher "
+            "config it was trained with, or start again with --overwrite."
         )

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from .atomic import atomic_folder, describe_bytes
 from .checkpoint import (
     STATE_FILE,
+    check_resumable,
     checkpoint_dirs,
     full_parameters,
     load_checkpoint,
@@ -59,6 +60,9 @@ from .train_parts import (
     RunState,
     StopRequested,
     append_jsonl,
+    check_fsdp,
+    check_target_stays_whole,
+    clip_grad_value,
     deepspeed_arguments,
     fill_deepspeed_micro_batch,
     flat_config,
@@ -192,6 +196,9 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
         **deepspeed,
     )
     load_models_whole(accelerator)
+    check_fsdp(accelerator)
+    if resume:  # the process count and the kind of run, known now: before the target loads
+        check_resumable(accelerator, checkpoint_dirs(run_dir)[-1])
     set_seed(tcfg.seed)
 
     target = load_target(recipe, accelerator.device, needs)
@@ -218,6 +225,7 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     optimizer = torch.optim.AdamW(optimization.param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     step_module = TrainStep(drafter, target, caches)
     step_module.total_steps = total_steps
+    check_target_stays_whole(accelerator, step_module, target)
     if optimization.unused_parameters:
         look_for_unused_parameters(accelerator)
     fill_deepspeed_micro_batch(accelerator, tcfg.micro_batch_size)
@@ -279,7 +287,8 @@ def _start_or_resume(run: Run, resume: bool) -> None:
     if resume:
         ckpt = checkpoint_dirs(run.run_dir)[-1]
         changed = resume_changes(recipe, run.run_dir)  # checked before loading: only the changes a resume may make
-        saved = load_checkpoint(accelerator, ckpt, run.drafter.trained_module(), run.optimizer, run.scheduler)
+        saved = load_checkpoint(accelerator, ckpt, run.step_module, run.drafter.trained_module(), run.optimizer,
+                                run.scheduler)
         run.state = RunState(**saved["run"])
         accelerator.print(f"resumed from {ckpt} at step {run.state.step}")
         for key, was, now in changed:
@@ -368,7 +377,7 @@ def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[st
             )
         accelerator.backward(loss)
         if accelerator.sync_gradients and tcfg.clip_grad_value:
-            accelerator.clip_grad_value_(run.step_module.parameters(), tcfg.clip_grad_value)
+            clip_grad_value(accelerator, run.step_module.parameters(), tcfg.clip_grad_value)
         if accelerator.sync_gradients and tcfg.max_grad_norm:
             accelerator.clip_grad_norm_(run.step_module.parameters(), tcfg.max_grad_norm)
         run.optimizer.step()
@@ -377,7 +386,8 @@ def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[st
 
 
 def save(run: Run, reason: str) -> None:
-    trainer_state = {"run": vars(run.state), "world_size": run.accelerator.num_processes, "reason": reason,
+    trainer_state = {"run": vars(run.state), "world_size": run.accelerator.num_processes,
+                     "distributed_type": run.accelerator.distributed_type.value, "reason": reason,
                      "recipe": run.recipe.to_dict(), "data_fingerprints": run.data_fingerprints}
     save_checkpoint(run.accelerator, run.run_dir, run.state.step, run.step_module, run.drafter.trained_module(),
                     run.optimizer, run.scheduler, trainer_state, run.recipe.checkpoint.keep_last)
@@ -446,7 +456,7 @@ def finish(run: Run, show_progress: bool) -> None:
         save(run, "final")
     if run.evaluated_at != run.state.step:
         log_metrics(run, heldout_loss(run))
-    with full_parameters(accelerator, run.step_module):  # ZeRO-3: every process takes part in the gather
+    with full_parameters(accelerator, run.step_module):  # ZeRO-3, FSDP: every process takes part in the gather
         if accelerator.is_main_process:
             write_final_drafter(run)
     accelerator.wait_for_everyone()  # the last collective: the drafter is written

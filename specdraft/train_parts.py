@@ -20,6 +20,7 @@ from accelerate.utils import (
 from transformers.integrations import unset_hf_deepspeed_config
 
 from .config import flatten
+from .errors import SpecdraftError
 
 
 @dataclass
@@ -79,6 +80,78 @@ def load_models_whole(accelerator) -> None:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         unset_hf_deepspeed_config()
 # -- DeepSpeed (end) ----------------------------------------------------------------------------
+
+
+# -- FSDP (begin) -------------------------------------------------------------------------------
+# `accelerate launch --config_file recipes/accelerate/fsdp.yaml` sets ACCELERATE_USE_FSDP; accelerate then
+# shards the TrainStep at prepare (fully_shard), and the checkpoints gather it (specdraft.checkpoint).
+def check_fsdp(accelerator) -> None:
+    """Refuse, before anything loads, an FSDP launch the loop cannot train as configured."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    if accelerator.distributed_type != DistributedType.FSDP:
+        # accelerate selects FSDP only on accelerators (accelerate/state.py) and would go on without it.
+        raise SpecdraftError(
+            f"the launcher config asks for FSDP, but accelerate runs FSDP only on GPUs (and other accelerators), "
+            f"and on {accelerator.device.type} it would run {accelerator.distributed_type.value} instead. Launch "
+            "with a DDP or DeepSpeed config (recipes/accelerate/), or on GPUs."
+        )
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.fsdp_version != 2:
+        raise SpecdraftError(
+            f"FSDP version {plugin.fsdp_version}: specdraft trains and checkpoints under FSDP2 only. Set "
+            "fsdp_version: 2 in the launcher config's fsdp_config (as recipes/accelerate/fsdp.yaml does)."
+        )
+    if plugin.cpu_ram_efficient_loading:
+        # transformers then loads every model on the processes after the first of each node with placeholder
+        # weights, for FSDP to broadcast at prepare: the frozen target is never prepared, and would stay so.
+        raise SpecdraftError(
+            "FSDP with cpu_ram_efficient_loading (accelerate's default): every process but the first of each node "
+            "would load the frozen target with placeholder weights, and only the module accelerate prepares (the "
+            "drafter) gets the first process's weights broadcast. "
+            "Set fsdp_cpu_ram_efficient_loading: false in the launcher config's fsdp_config (as "
+            "recipes/accelerate/fsdp.yaml does)."
+        )
+    if plugin.auto_wrap_policy is not None:
+        # A unit's parameters are gathered by its own forward, but the loop calls the drafter's prepare and
+        # compute_loss: a wrapped submodule's parameters would be used still sharded.
+        raise SpecdraftError(
+            "FSDP with an auto-wrap policy: the loop runs the drafter through its own methods, not each module's "
+            "forward, so a separately wrapped submodule would be used sharded. Set fsdp_auto_wrap_policy: "
+            "NO_WRAP in the launcher config's fsdp_config (the drafter is one FSDP unit; the frozen target is "
+            "not sharded)."
+        )
+
+
+def check_target_stays_whole(accelerator, step_module, target) -> None:
+    """Under FSDP the frozen target stays whole on every process, outside the sharded TrainStep. A family whose
+    trained module holds the target's own weights (Medusa-2: LoRA adapters inside the target) would have the
+    target sharded with it, and then every use of the target outside the TrainStep's forward (the acceptance eval
+    at the end, which runs on the main process alone) would see only its slice."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    target_parameters = {id(p) for p in target.parameters()}
+    shared = [name for name, p in step_module.named_parameters() if id(p) in target_parameters]
+    if shared:
+        raise SpecdraftError(
+            f"FSDP would shard the frozen target: this drafter trains inside it ({len(shared)} of the target's "
+            f"parameters are in its trained module, e.g. {shared[0]}). Train it with DDP or DeepSpeed "
+            "(recipes/accelerate/ddp_8gpu.yaml, deepspeed_zero2.yaml, or their _2x8 multi-node versions)."
+        )
+
+
+def clip_grad_value(accelerator, parameters, value: float) -> None:
+    """Element-wise gradient clipping (``training.clip_grad_value``). accelerate refuses it under FSDP, yet it
+    needs no communication there: each process clamps its own slice of the gradient to what clamping the
+    whole would give."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        accelerator.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, value)
+    else:
+        accelerator.clip_grad_value_(parameters, value)
+
+
+# -- FSDP (end) ---------------------------------------------------------------------------------
 
 
 class StopRequested:

@@ -112,7 +112,7 @@ def test_epochs_check_catches_steps_per_epoch_blind_to_grad_accumulation(tmp_pat
 
 
 CLIPS = """        if accelerator.sync_gradients and tcfg.clip_grad_value:
-            accelerator.clip_grad_value_(run.step_module.parameters(), tcfg.clip_grad_value)
+            clip_grad_value(accelerator, run.step_module.parameters(), tcfg.clip_grad_value)
         if accelerator.sync_gradients and tcfg.max_grad_norm:
             accelerator.clip_grad_norm_(run.step_module.parameters(), tcfg.max_grad_norm)
 """
