@@ -48,6 +48,8 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="then one step each way under torch.profiler: "
+                        "the top operators by own CPU time, with their input shapes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +103,18 @@ def main() -> int:
         print(f"| {label} | {best[name] * 1e3:.0f} | {(best['target'] + best[name]) / best['target']:.2f} | "
               f"{tokens / (best['target'] + best[name]):.0f} | {losses[name]:.6f} |")
     print(f"\nTarget forward: {best['target'] * 1e3:.0f} ms for {tokens} tokens.")
+    if args.profile:
+        from torch.profiler import profile
+
+        for name, head in (("sliced", sliced_head_logits), ("flattened", flattened)):
+            eagle1_module.borrowed_head_logits = head
+            with profile(record_shapes=True) as prof:
+                drafter_step(example)
+            eagle1_module.borrowed_head_logits = flattened
+            print(f"\n### One drafter step, LM head over {name} rows, under torch.profiler\n\n```")
+            print(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=36, max_shapes_column_width=60))
+            print("```")
     return 0
 
 
