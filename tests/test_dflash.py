@@ -301,6 +301,35 @@ def test_the_loss_is_decaying_distillation_from_the_target():
     torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
 
 
+def test_a_drafter_that_outputs_the_targets_next_token_state_loses_only_the_targets_entropy():
+    """The loss targets are aligned: a drafter whose slot j (at position a + j) outputs the target's final
+    state at a + j - 1 reproduces the target's logits there, so its distillation loss is the target's own
+    entropy (zero KL), whatever the anchors; any shift of slots against target positions adds a KL."""
+    target = tiny_target()
+    drafter = dflash(target, block_size=5, num_anchors=6)
+    ids = random_ids(2, 24, seed=11)
+    final = target.model.model(ids).last_hidden_state  # normed: lm_head(final) = the target's logits
+    rows = torch.arange(2)[:, None]
+    drafter.norm = torch.nn.Identity()
+    drafter.block_hidden = lambda block_ids, positions, context_kv, mask: final[rows, (positions - 1).clamp(min=0)]
+    torch.manual_seed(3)
+    out = loss_on(drafter, target, batch_of(ids))
+    del drafter.block_hidden
+    logp = torch.log_softmax(target(ids, logits="full").logits.float(), -1)
+    entropy = -(logp.exp() * logp).sum(-1)  # [2, 24]: of the target's next-token distribution at each position
+    torch.manual_seed(3)
+    anchors, keep = drafter.sample_anchors(torch.ones_like(ids, dtype=torch.bool).index_fill(1, torch.tensor([23]), False),
+                                           None)
+    num = den = 0.0
+    for row in range(2):
+        for a in anchors[row][keep[row]].tolist():
+            for j in range(1, 5):
+                if a + j < 24:
+                    w = math.exp(-(j - 1) / 4.0)
+                    num, den = num + w * entropy[row, a + j - 1], den + w
+    torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
+
+
 def test_anchors_are_distinct_answer_positions_drawn_at_random():
     target = tiny_target()
     drafter = dflash(target, num_anchors=5)
