@@ -1,6 +1,6 @@
-"""What a fresh DFlash drafter's first loss is made of, on a real target (issue 34).
+"""What a fresh (or trained) DFlash drafter's loss is made of, on a real target (issue 34).
 
-For a fresh drafter built from a recipe, on a few rows of the target's own answers, it prints:
+For a fresh drafter built from a recipe (or one trained, --drafter), on a few rows of the target's own answers, it prints:
   - the loss per block position (nats), against a uniform guess (log V);
   - the same loss with the target's injected features zeroed, and with the anchor token replaced by MASK
     (how much each input moves the predictions);
@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from specdraft.contract import TrainingContext
+from specdraft.drafters import load_drafter
 from specdraft.drafters.dflash import DFlashConfig, build_dflash
 from specdraft.target import FrozenTarget, resolve_target_path
 
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a drafter: setting")
+    parser.add_argument("--drafter", default=None, help="a trained drafter folder to probe instead of a fresh one")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
 
@@ -71,9 +73,11 @@ def main() -> None:
         key, value = item.split("=", 1)
         settings[key] = yaml.safe_load(value)
     path = recipe["target"]["path"]
-    target = FrozenTarget.from_pretrained(resolve_target_path(path, "float32") if path != "toy" else path,
-                                          dtype="float32")
-    drafter = build_dflash(target, DFlashConfig(**settings), None, tuple(recipe["target"].get("taps") or ()))
+    target = FrozenTarget.from_pretrained(resolve_target_path(path, "float32"), dtype="float32")
+    if args.drafter:
+        drafter = load_drafter(args.drafter, target)
+    else:
+        drafter = build_dflash(target, DFlashConfig(**settings), None, tuple(recipe["target"].get("taps") or ()))
     drafter.train()
     bs, vocab = drafter.config.block_size, target.vocab_size
     batch = answer_rows(target.tokenizer, Path(args.data), args.rows, args.max_length)
@@ -86,7 +90,7 @@ def main() -> None:
     print(f"{path}: vocab {vocab}, uniform guess {math.log(vocab):.2f} nats; block {bs}; "
           f"answer tokens {int(batch['loss_mask'].sum())}")
     out = loss(example.target)
-    print(f"fresh drafter          loss {out.loss.item():.2f}  per position: {per_position(out, bs)}")
+    print(f"{'trained' if args.drafter else 'fresh'} drafter        loss {out.loss.item():.2f}  per position: {per_position(out, bs)}")
     zeroed = replace(example.target, aux_hidden=torch.zeros_like(example.target.aux_hidden))
     print(f"target features zeroed loss {loss(zeroed).loss.item():.2f}  per position: {per_position(loss(zeroed), bs)}")
     masked = dict(example.batch, input_ids=torch.full_like(example.batch["input_ids"], drafter.mask_token_id))
