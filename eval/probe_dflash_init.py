@@ -1,6 +1,7 @@
 """What a fresh (or trained) DFlash drafter's loss is made of, on a real target (issue 34).
 
-For a fresh drafter built from a recipe (or one trained, --drafter), on a few rows of the target's own answers, it prints:
+For a fresh drafter built from a recipe (or a trained one, --drafter), on a few rows of the target's own
+answers, it prints:
   - the loss per block position (nats), against a uniform guess (log V);
   - the same loss with the target's injected features zeroed, and with the anchor token replaced by MASK
     (how much each input moves the predictions);
