@@ -38,7 +38,8 @@ def answer_rows(tokenizer, path: Path, rows: int, max_length: int) -> dict[str, 
         messages = json.loads(line)["messages"]
         prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
         answer = messages[-1]["content"] + tokenizer.eos_token
-        p, a = tokenizer(prompt, add_special_tokens=False).input_ids, tokenizer(answer, add_special_tokens=False).input_ids
+        p = tokenizer(prompt, add_special_tokens=False).input_ids
+        a = tokenizer(answer, add_special_tokens=False).input_ids
         row = (p + a)[:max_length]
         ids.append(row)
         masks.append(([0] * len(p) + [1] * len(a))[:max_length])
@@ -91,7 +92,8 @@ def main() -> None:
     print(f"{path}: vocab {vocab}, uniform guess {math.log(vocab):.2f} nats; block {bs}; "
           f"answer tokens {int(batch['loss_mask'].sum())}")
     out = loss(example.target)
-    print(f"{'trained' if args.drafter else 'fresh'} drafter        loss {out.loss.item():.2f}  per position: {per_position(out, bs)}")
+    kind = "trained" if args.drafter else "fresh"
+    print(f"{kind} drafter        loss {out.loss.item():.2f}  per position: {per_position(out, bs)}")
     zeroed = replace(example.target, aux_hidden=torch.zeros_like(example.target.aux_hidden))
     print(f"target features zeroed loss {loss(zeroed).loss.item():.2f}  per position: {per_position(loss(zeroed), bs)}")
     masked = dict(example.batch, input_ids=torch.full_like(example.batch["input_ids"], drafter.mask_token_id))

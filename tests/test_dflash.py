@@ -318,8 +318,9 @@ def test_a_drafter_that_outputs_the_targets_next_token_state_loses_only_the_targ
     logp = torch.log_softmax(target(ids, logits="full").logits.float(), -1)
     entropy = -(logp.exp() * logp).sum(-1)  # [2, 24]: of the target's next-token distribution at each position
     torch.manual_seed(3)
-    anchors, keep = drafter.sample_anchors(torch.ones_like(ids, dtype=torch.bool).index_fill(1, torch.tensor([23]), False),
-                                           None)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[:, -1] = False  # the last token has no next token
+    anchors, keep = drafter.sample_anchors(valid, None)
     num = den = 0.0
     for row in range(2):
         for a in anchors[row][keep[row]].tolist():
