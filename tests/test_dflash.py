@@ -301,6 +301,36 @@ def test_the_loss_is_decaying_distillation_from_the_target():
     torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
 
 
+def test_a_drafter_that_outputs_the_targets_next_token_state_loses_only_the_targets_entropy():
+    """The loss targets are aligned: a drafter whose slot j (at position a + j) outputs the target's final
+    state at a + j - 1 reproduces the target's logits there, so its distillation loss is the target's own
+    entropy (zero KL), whatever the anchors; any shift of slots against target positions adds a KL."""
+    target = tiny_target()
+    drafter = dflash(target, block_size=5, num_anchors=6)
+    ids = random_ids(2, 24, seed=11)
+    final = target.model.model(ids).last_hidden_state  # normed: lm_head(final) = the target's logits
+    rows = torch.arange(2)[:, None]
+    drafter.norm = torch.nn.Identity()
+    drafter.block_hidden = lambda block_ids, positions, context_kv, mask: final[rows, (positions - 1).clamp(min=0)]
+    torch.manual_seed(3)
+    out = loss_on(drafter, target, batch_of(ids))
+    del drafter.block_hidden
+    logp = torch.log_softmax(target(ids, logits="full").logits.float(), -1)
+    entropy = -(logp.exp() * logp).sum(-1)  # [2, 24]: of the target's next-token distribution at each position
+    torch.manual_seed(3)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[:, -1] = False  # the last token has no next token
+    anchors, keep = drafter.sample_anchors(valid, None)
+    num = den = 0.0
+    for row in range(2):
+        for a in anchors[row][keep[row]].tolist():
+            for j in range(1, 5):
+                if a + j < 24:
+                    w = math.exp(-(j - 1) / 4.0)
+                    num, den = num + w * entropy[row, a + j - 1], den + w
+    torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
+
+
 def test_anchors_are_distinct_answer_positions_drawn_at_random():
     target = tiny_target()
     drafter = dflash(target, num_anchors=5)
@@ -577,6 +607,26 @@ def test_every_recipe_builds_at_real_dimensions(path):
     assert recipe.training.max_grad_norm == pytest.approx(1.0)
 
 
+def test_the_final_norm_starts_at_norm_init_and_smollm2_starts_it_small():
+    """The final norm feeds the target's frozen head: at weight 1 a fresh draft's logits are far wider than a
+    uniform guess; ``norm_init`` sets its starting weight, and the SmolLM2 recipe starts it at 0.1 (its first
+    loss 12.6 nats instead of 47 against log V = 10.8, eval/probe_dflash_init.py)."""
+    target = tiny_target(std=1.0)
+    batch = batch_of(random_ids(2, 40, seed=5))
+    losses = {}
+    for scale in (1.0, 0.1):
+        torch.manual_seed(0)
+        drafter = dflash(target, randomize=False, norm_init=scale)
+        assert torch.equal(drafter.norm.weight, torch.full_like(drafter.norm.weight, scale))
+        torch.manual_seed(0)
+        losses[scale] = loss_on(drafter, target, batch).loss.item()
+    uniform = math.log(VOCAB)
+    assert abs(losses[0.1] - uniform) < 0.5 * abs(losses[1.0] - uniform)
+    assert DFlashConfig().norm_init == 1.0  # the engines' and SpecForge's start, for targets not measured here
+    smollm2 = yaml.safe_load((RECIPES / "smollm2-135m-dflash.yaml").read_text())["drafter"]
+    assert smollm2["norm_init"] == pytest.approx(0.1)
+
+
 def test_the_8b_recipes_follow_the_paper_and_zlabs_checkpoints():
     """z-lab/Qwen3-8B-DFlash-b16: 5 layers, blocks of 16, target_layer_ids [1, 9, 17, 25, 33], mask 151669."""
     from specdraft.config import load_recipe
@@ -682,6 +732,8 @@ def test_an_export_of_a_draft_layer_the_engine_lacks_is_refused(tmp_path, fmt, e
     ({"mask_token_id": -1}, "mask_token_id must be an integer >= 0"),
     ({"loss_decay_gamma": 0}, "loss_decay_gamma must be > 0"),
     ({"draft_layer": "gemma"}, "draft_layer must be one of qwen3, llama"),
+    ({"norm_init": 0}, "norm_init must be a number > 0"),
+    ({"norm_init": "small"}, "norm_init must be a number > 0"),
 ])
 def test_bad_config_values(settings, match):
     with pytest.raises(SpecdraftError, match=match):

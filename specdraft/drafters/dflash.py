@@ -119,6 +119,7 @@ class DFlashConfig:
     loss_decay_gamma: float = 7.0  # w_j = exp(-(j - 1) / gamma); the paper: 7 for block 16, 5 for 10, 4 for 8
     num_anchors: int = 512  # blocks per sequence in training (SpecForge's --num-anchors)
     draft_layer: str = "qwen3"  # one of DRAFT_LAYERS
+    norm_init: float = 1.0  # the final RMSNorm's starting weight (z-lab, SpecForge: 1); see DFlashDrafter
 
     # SpecForge scripts/train_dflash.py: AdamW at lr 6e-4, gradient-norm clipping at 1.0.
     optimizer_defaults: ClassVar[dict] = {"lr": 6e-4, "betas": (0.9, 0.999), "weight_decay": 0.0, "max_grad_norm": 1.0}
@@ -141,6 +142,9 @@ class DFlashConfig:
         if not self.loss_decay_gamma > 0:
             raise SpecdraftError(f"drafter.loss_decay_gamma must be > 0, got {self.loss_decay_gamma} (the paper: "
                                  "7 for block_size 16, 5 for 10, 4 for 8)")
+        if isinstance(self.norm_init, bool) or not isinstance(self.norm_init, (int, float)) or not self.norm_init > 0:
+            raise SpecdraftError(f"drafter.norm_init must be a number > 0 (the final norm's starting weight; 1 as "
+                                 f"z-lab and SpecForge, 0.1 for SmolLM2's tied head), got {self.norm_init!r}")
         if self.draft_layer not in DRAFT_LAYERS:
             raise SpecdraftError(f"drafter.draft_layer must be one of {', '.join(DRAFT_LAYERS)}, got "
                                  f"{self.draft_layer!r} (qwen3: QK-norm, what vLLM and SGLang load)")
@@ -278,7 +282,12 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(taps) * H, H, bias=False)
         self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config, cfg.draft_layer == "qwen3") for _ in range(cfg.num_layers))
+        # The final norm feeds the target's frozen LM head. At weight 1 a fresh draft's unit-RMS state, which
+        # points nowhere the head was trained on, gives SmolLM2's tied head logits tens of nats wide (a first
+        # loss of 47 nats against log V = 10.8: eval/probe_dflash_init.py), and training spends its first
+        # steps undoing that; a small start (norm_init) begins near the uniform guess.
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        nn.init.constant_(self.norm.weight, cfg.norm_init)
         # The target's embedding and head, and a float32 copy of its RoPE: borrowed, outside the module tree
         # (never trained, saved or cast with the drafter).
         self._borrowed = (target.embed_tokens, target.lm_head, make_rotary(target))
