@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import probe_family  # noqa: F401  (registers the "probe" family)
 import pytest
@@ -101,3 +102,10 @@ def test_the_loop_bounds_the_caches_on_entry_and_releases_after_every_optimizer_
     train_module.train(parse_recipe(recipe), show_progress=False)
     assert len(steps) == 3  # once per optimizer step, not per micro-batch
     assert all(os.environ[name] == str(CPU_KERNEL_CACHE_CAPACITY) for name in CPU_KERNEL_CACHES)
+
+
+def test_the_memory_benchmark_sets_the_variables_the_loop_bounds():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    from bench_train_memory import CACHE_VARIABLES
+
+    assert CACHE_VARIABLES == CPU_KERNEL_CACHES
