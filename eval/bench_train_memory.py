@@ -8,9 +8,9 @@ Each variant (--variants) trains the family's recipe (recipes/<target>-<family>.
 through `specdraft.train.train`, in a fresh one-thread process of its own, so its memory is its own. Around
 every micro-batch the benchmark reads, from /proc/self/status, the peak resident memory since the previous
 one (VmHWM, reset through /proc/self/clear_refs: the peak covers the step and what follows it, the log
-line, held-out eval and checkpoint) and the resident memory after it; and from glibc's mallinfo2 the bytes
-malloc holds in its heaps, how many of them are free (held but unused: fragmentation), and how many are
-mapped on their own. The batch's packed shape [rows, width] is printed beside them.
+line, held-out eval and checkpoint) and the resident memory at the next one's start; and, as the step's
+backward and optimizer step end, from glibc's mallinfo2 the bytes malloc's heaps hold in use and free
+(held but unused: fragmentation, until released), and how many are mapped on their own. The batch's packed shape [rows, width] is printed beside them.
 
 Variants (--variants), each the loop as it ships with parts of its memory handling taken out:
   product            as it ships: oneDNN's kernel caches bounded (``bound_cpu_kernel_caches``) and the freed
@@ -99,7 +99,8 @@ def one_variant(config: dict) -> list[dict]:
 
     def close_previous_row() -> None:
         if rows:  # the peak since the previous micro-batch began: its step, log line, eval and save
-            rows[-1].update(peak_rss_gib=status_gib("VmHWM"), seconds=time.perf_counter() - rows[-1]["seconds"])
+            rows[-1].update(peak_rss_gib=status_gib("VmHWM"), rss_after_gib=status_gib("VmRSS"),
+                            seconds=time.perf_counter() - rows[-1]["seconds"])
             print(json.dumps({"variant": config["variant"], **rows[-1]}), flush=True)
 
     def recorded(run, batch):
@@ -107,7 +108,7 @@ def one_variant(config: dict) -> list[dict]:
         reset_peak()
         rows.append({"step": run.state.step + 1, "shape": list(batch["input_ids"].shape), "seconds": time.perf_counter()})
         out = train_micro_batch(run, batch)
-        rows[-1].update(rss_after_gib=status_gib("VmRSS"), **malloc_figures())
+        rows[-1].update(malloc_figures())  # before the loop's release: what malloc holds at the step's end
         return out
 
     loop.train_micro_batch = recorded
@@ -128,8 +129,9 @@ def one_variant(config: dict) -> list[dict]:
 
 def table(results: dict[str, list[dict]], every: int) -> str:
     names = list(results)
-    head = "| step | shape | " + " | ".join(f"{n}: peak RSS | {n}: RSS after | {n}: heap free" for n in names) + " |"
-    lines = [head, "|" + "---|" * (2 + 3 * len(names))]
+    head = "| step | shape | " + " | ".join(f"{n}: peak RSS | {n}: RSS after | {n}: heap in use | {n}: heap free"
+                                           for n in names) + " |"
+    lines = [head, "|---|---|" + "---:|" * (4 * len(names))]
     steps = len(results[names[0]])
     for i in range(steps):
         if (i + 1) % every and i != steps - 1 and i > 2:
@@ -138,7 +140,8 @@ def table(results: dict[str, list[dict]], every: int) -> str:
         cells = []
         for n in names:
             r = results[n][i]
-            cells.append(f"{r['peak_rss_gib']:.2f} | {r['rss_after_gib']:.2f} | {r['heap_free_gib']:.2f}")
+            cells.append(f"{r['peak_rss_gib']:.2f} | {r['rss_after_gib']:.2f} | {r['heap_used_gib']:.2f} | "
+                         f"{r['heap_free_gib']:.2f}")
         lines.append(f"| {i + 1} | {shape} | " + " | ".join(cells) + " |")
     summary = []
     for n in names:
@@ -162,7 +165,7 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in results.items():
         ax.plot([r["step"] for r in rows], [r["peak_rss_gib"] for r in rows], label=f"{name}: peak RSS")
-        ax.plot([r["step"] for r in rows], [r["heap_free_gib"] for r in rows], "--", label=f"{name}: malloc heap free")
+        ax.plot([r["step"] for r in rows], [r["heap_used_gib"] for r in rows], "--", label=f"{name}: heap in use")
     ax.set_xlabel("step")
     ax.set_ylabel("GiB")
     ax.set_title(title)
@@ -201,7 +204,7 @@ def main() -> int:
         with context.Pool(1, maxtasksperchild=1) as pool:
             results[variant] = pool.apply(one_variant, (config,))
     (work / "memory.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    print(f"\n{args.family} on {args.target}, {args.steps} steps, one thread; {' '.join(args.set)}\n")
+    print(f"\n{args.family} on {args.target}, {args.steps} steps, one thread; {' '.join(args.set)}; GiB\n")
     print(table(results, args.every))
     plot(results, work / "memory.png", f"{args.family} on {args.target}: memory against step")
     return 0
