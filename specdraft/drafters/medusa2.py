@@ -83,8 +83,9 @@ from .medusa import (
 )
 
 SCHEDULES = ("constant", "linear", "sine")
-# Answer rows whose vocabulary-wide logits L_LM forms at once: 512 x 49,152 float32 is 96 MiB per tensor.
-KL_CHUNK_ROWS = 512
+# Answer rows whose vocabulary-wide logits L_LM forms at once: 128 x 49,152 float32 is 24 MiB per tensor, and a
+# chunk holds about a dozen such tensors (both logits, their softmaxes, the log-ratio, the gradients).
+KL_CHUNK_ROWS = 128
 
 
 @dataclass
