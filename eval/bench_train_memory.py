@@ -1,7 +1,10 @@
 """Training memory against step: does a run's resident memory grow, and where does it go?
 
-    python eval/bench_train_memory.py --target smollm2-135m-instruct --family eagle3 --steps 40 \
-        --data bench-families/data/answers.jsonl --eval-data bench-families/data/heldout_answers.jsonl
+    python eval/bench_train_memory.py --target smollm2-135m-instruct --family eagle3 --steps 24 \
+        --data bench-families/data/answers.jsonl --eval-data bench-families/data/heldout_answers.jsonl \
+        --set training.micro_batch_size=4 --set training.eval_every=8 --set checkpoint.save_every=12
+    python eval/bench_train_memory.py --target smollm2-135m-instruct --family medusa2 --steps 2 --variants product \
+        --data ... --set training.micro_batch_size=4 --set drafter.joint_from_step=0 --set training.eval_every=0
     python eval/bench_train_memory.py --target toy --family eagle3 --steps 30      # seconds, the toy's own text
 
 Each variant (--variants) trains the family's recipe (recipes/<target>-<family>.yaml) for --steps steps
@@ -10,7 +13,9 @@ every micro-batch the benchmark reads, from /proc/self/status, the peak resident
 one (VmHWM, reset through /proc/self/clear_refs: the peak covers the step and what follows it, the log
 line, held-out eval and checkpoint) and the resident memory at the next one's start; and, as the step's
 backward and optimizer step end, from glibc's mallinfo2 the bytes malloc's heaps hold in use and free
-(held but unused: fragmentation, until released), and how many are mapped on their own. The batch's packed shape [rows, width] is printed beside them.
+(held but unused: fragmentation, until released), and how many are mapped on their own. The batch's
+packed shape [rows, width] is printed beside them, and the summary says whether every variant trained to
+the same loss at every step (they change memory, not numbers).
 
 Variants (--variants), each the loop as it ships with parts of its memory handling taken out:
   product            as it ships: oneDNN's kernel caches bounded (``bound_cpu_kernel_caches``) and the freed
@@ -108,6 +113,7 @@ def one_variant(config: dict) -> list[dict]:
         reset_peak()
         rows.append({"step": run.state.step + 1, "shape": list(batch["input_ids"].shape), "seconds": time.perf_counter()})
         out = train_micro_batch(run, batch)
+        rows[-1]["loss"] = out[0]["loss"].item()  # the variants change no number: their losses must agree
         rows[-1].update(malloc_figures())  # before the loop's release: what malloc holds at the step's end
         return out
 
@@ -150,6 +156,9 @@ def table(results: dict[str, list[dict]], every: int) -> str:
         summary.append(f"{n}: peak RSS {max(peaks):.2f} GiB (steps 1-{half}: {max(peaks[:half]):.2f}, "
                        f"steps {half + 1}-{len(peaks)}: {max(peaks[half:]):.2f}); "
                        f"mean step {sum(r['seconds'] for r in results[n][1:]) / max(1, len(peaks) - 1):.1f} s")
+    losses = {n: [r["loss"] for r in results[n]] for n in names}
+    same = all(value == losses[names[0]] for value in losses.values())
+    summary.append(f"training losses {'identical' if same else 'DIFFERENT'} across {', '.join(names)} at every step")
     return "\n".join(lines + [""] + summary)
 
 
