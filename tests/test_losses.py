@@ -331,7 +331,7 @@ def test_forward_kl_from_hidden_in_chunks_is_forward_kl_of_the_whole_logits():
     of rows at a time; the rows (7) are not a multiple of the chunk (3); without autograd it gives the value alone."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(50, 8, generator=g)
-    head = lambda h: (30.0 * torch.tanh(F.linear(h, weight) / 30.0)).float()  # noqa: E731
+    head = lambda h: (30.0 * torch.tanh(F.linear(h, weight) / 30.0)).float()
     draft, target = torch.randn(7, 8, generator=g) * 2, torch.randn(7, 8, generator=g) * 2
     by_chunks, whole = draft.clone().requires_grad_(), draft.clone().requires_grad_()
     value = forward_kl_from_hidden(by_chunks, target, head, head, chunk_rows=3)

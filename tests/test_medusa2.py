@@ -17,6 +17,7 @@ from specdraft.config import load_recipe, parse_recipe
 from specdraft.contract import TrainingContext
 from specdraft.data.vocab import DraftVocab
 from specdraft.drafters import load_drafter, medusa2
+from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.medusa2 import (
     DRIFT_WARNING_KL,
     MEDUSA2,
@@ -24,10 +25,9 @@ from specdraft.drafters.medusa2 import (
     drift_report,
     heads_schedule,
 )
-from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.errors import SpecdraftError
-from specdraft.losses import forward_kl
 from specdraft.export import check_exported, export, load_exported
+from specdraft.losses import forward_kl
 from specdraft.target import FrozenTarget
 
 

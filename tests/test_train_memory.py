@@ -14,12 +14,12 @@ from pathlib import Path
 
 import probe_family  # noqa: F401  (registers the "probe" family)
 import pytest
+from spine import make_chat_data, make_recipe
+from tiny import save_tiny_target
 
 from specdraft import train as train_module
 from specdraft.config import parse_recipe
 from specdraft.train_parts import CPU_KERNEL_CACHE_CAPACITY, CPU_KERNEL_CACHES
-from spine import make_chat_data, make_recipe
-from tiny import save_tiny_target
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 needs_glibc = pytest.mark.skipif(not GLIBC or not hasattr(ctypes.CDLL(None), "mallinfo2"),
@@ -58,7 +58,8 @@ def run_python(code: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in CPU_KERNEL_CACHES:  # the product's own setting, not one inherited from the caller
         env.pop(name, None)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
 
