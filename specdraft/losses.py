@@ -65,6 +65,51 @@ def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: to
     return masked_mean(_kl(log_p, log_q), mask)
 
 
+def forward_kl_from_hidden(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, draft_logits_of,
+                           target_logits_of, chunk_rows: int = 512) -> torch.Tensor:
+    """``forward_kl`` over all rows of ``[M, H]`` hidden states whose logits are ``draft_logits_of(draft_hidden)``
+    and ``target_logits_of(target_hidden)`` (an LM head: ``[C, H] -> [C, V]``), without ever holding ``[M, V]``.
+
+    A vocabulary-wide KL (Medusa-2's L_LM over a 49k vocabulary) otherwise keeps several ``[M, V]`` float32
+    tensors alive for backward: both sets of logits, both log-softmaxes, P, the log-ratio and their gradients.
+    Here ``chunk_rows`` rows at a time go through the same ops as ``forward_kl``, and each chunk's gradient
+    with respect to its hidden states (``[C, H]``) is taken at once, so only one chunk's ``[C, V]`` tensors
+    exist at a time (the fused-linear losses of Liger-Kernel do the same for cross-entropy). Each row's value
+    and gradient are those of ``forward_kl``; only the sum over rows runs in another order.
+
+    The callables' own parameters get no gradient (the frozen target's LM head); ``target_logits_of`` runs
+    without autograd. The draft's logits run under the caller's autocast, as ``forward_kl``'s inputs would.
+    """
+    return _ForwardKLFromHidden.apply(draft_hidden, target_hidden, draft_logits_of, target_logits_of, chunk_rows)
+
+
+class _ForwardKLFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, draft_hidden, target_hidden, draft_logits_of, target_logits_of, chunk_rows):
+        rows = draft_hidden.shape[0]
+        # masked_mean's weight of each counted row, as forward_kl's backward applies it (before the LM head's)
+        weight = torch.ones((), dtype=torch.float32, device=draft_hidden.device) / max(rows, 1)
+        total = torch.zeros((), dtype=torch.float32, device=draft_hidden.device)
+        grad = torch.zeros_like(draft_hidden) if ctx.needs_input_grad[0] else None
+        for start in range(0, rows, chunk_rows):
+            chunk = slice(start, start + chunk_rows)
+            with torch.no_grad():
+                log_p = F.log_softmax(target_logits_of(target_hidden[chunk]).float(), -1)
+            with torch.enable_grad():
+                hidden = draft_hidden[chunk].detach().requires_grad_(grad is not None)
+                per_row = _kl(log_p, F.log_softmax(draft_logits_of(hidden).float(), -1))
+                if grad is not None:
+                    (grad[chunk],) = torch.autograd.grad(per_row, hidden, weight.expand_as(per_row))
+            total += per_row.detach().sum()
+        ctx.save_for_backward(grad)
+        return total / max(rows, 1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.to(grad.dtype), None, None, None, None
+
+
 def reverse_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """KL(Q || P) = sum_x Q(x) log(Q(x) / P(x)): mode-seeking; DistillSpec's "RKL" (MiniLLM, Gu et al. 2024,
     trains on it too)."""

@@ -60,6 +60,7 @@ from .train_parts import (
     RunState,
     StopRequested,
     append_jsonl,
+    bound_cpu_kernel_caches,
     check_fsdp,
     check_target_stays_whole,
     clip_grad_value,
@@ -70,6 +71,7 @@ from .train_parts import (
     look_for_unused_parameters,
     mean_over_batches,
     mean_over_processes,
+    release_freed_memory,
 )
 
 
@@ -128,6 +130,7 @@ class Run:
 
 def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_progress: bool = True) -> Path:
     """Train the recipe's drafter; returns the run folder (with ``drafter/`` when finished)."""
+    bound_cpu_kernel_caches()  # before the process's first matmul: memory that does not grow with the steps
     needs = check_before_loading(recipe, resume, overwrite)
     run = build_run(recipe, resume, overwrite, needs)
     bar = tqdm(total=run.total_steps, initial=run.state.step, desc="train", unit="step", dynamic_ncols=True,
@@ -342,6 +345,7 @@ def run_steps(run: Run, stop: StopRequested, bar) -> bool:
             if not accelerator.sync_gradients:
                 continue
             run.scheduler.step()
+            release_freed_memory()  # the step's activations are freed: their pages go back (CPU, glibc)
             state.step += 1
             bar.update(1)
             if state.step % tcfg.log_every == 0 or state.step == run.total_steps:

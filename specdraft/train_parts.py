@@ -4,6 +4,8 @@ arguments, the optimizer's groups and schedule, signals, and metrics reduced acr
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import signal
@@ -178,6 +180,50 @@ def flat_config(config: dict) -> dict:
     """``{"optimizer.lr": 1e-4, ...}``: trackers (tensorboard hparams) want flat scalars."""
     return {key: value if isinstance(value, (int, float, str, bool)) else str(value)
             for key, value in flatten(config).items()}
+
+
+# -- host memory that does not grow (eval/bench_train_memory.py) --------------------------------------
+# torch's bfloat16 matmuls on CPU run oneDNN kernels, compiled once per matrix shape and cached twice: in oneDNN's
+# primitive cache and in ideep's (torch's oneDNN wrapper), 1,024 entries each by default. Packed batches change
+# shape every step, and a SmolLM2 EAGLE-3 step brings about 60 new matmul shapes (its 1,800 matmuls hit the cache
+# otherwise): both caches filled for some 20 steps, and their entries, interleaved with the activations, kept
+# freed heap pages resident. 256 entries hold about four steps' shapes, so a step's repeated shapes still hit.
+# Each cache reads its variable once, at its first use: set before a process's first bf16 matmul (``train``
+# does so on entry); a value set by the user is kept. (0 is not a valid ideep capacity: it crashes.)
+CPU_KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+CPU_KERNEL_CACHE_CAPACITY = 256
+
+
+def bound_cpu_kernel_caches() -> None:
+    """Cap oneDNN's and ideep's per-shape kernel caches at ``CPU_KERNEL_CACHE_CAPACITY`` entries unless set."""
+    for name in CPU_KERNEL_CACHES:
+        os.environ.setdefault(name, str(CPU_KERNEL_CACHE_CAPACITY))
+
+
+def _glibc_malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library is not glibc (macOS, musl)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _glibc_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand the pages of the memory a step freed back to the operating system (glibc: ``malloc_trim(0)``).
+
+    glibc serves CPU tensors under its mmap threshold (which it raises up to 32 MiB as blocks are freed) from
+    its heaps, and returns a heap's free pages only from its top: a long-lived block above them (a cached
+    kernel, an optimizer state) keeps them resident. Packed batches change shape every step, so each step's
+    activations land at other offsets. ``malloc_trim`` releases every whole free page of every heap; elsewhere
+    (no glibc) this does nothing.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+# -- host memory (end) ----------------------------------------------------------------------------
 
 
 def mean_over_batches(history: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from specdraft.losses import (
     binary_entropy,
     distillation_view,
     forward_kl,
+    forward_kl_from_hidden,
     generalized_jsd,
     lk_alpha_loss,
     lk_hybrid_loss,
@@ -323,3 +324,24 @@ def test_acceptance_losses_count_only_masked_positions_and_zero_probabilities_ar
     one = torch.ones(1, dtype=torch.bool)
     assert lk_alpha_loss(draft[0, :1], p[0, :1], one).item() == pytest.approx(
         F.cross_entropy(draft[0, :1], torch.tensor([2])).item(), rel=1e-5)
+
+
+def test_forward_kl_from_hidden_in_chunks_is_forward_kl_of_the_whole_logits():
+    """Each row's value and gradient are forward_kl's, with the LM head (soft-capped, as Gemma's) applied a chunk
+    of rows at a time; the rows (7) are not a multiple of the chunk (3); without autograd it gives the value alone."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 8, generator=g)
+    head = lambda h: (30.0 * torch.tanh(F.linear(h, weight) / 30.0)).float()
+    draft, target = torch.randn(7, 8, generator=g) * 2, torch.randn(7, 8, generator=g) * 2
+    by_chunks, whole = draft.clone().requires_grad_(), draft.clone().requires_grad_()
+    value = forward_kl_from_hidden(by_chunks, target, head, head, chunk_rows=3)
+    expected = forward_kl(head(whole), head(target), torch.ones(7, dtype=torch.bool))
+    (3.0 * value).backward()
+    (3.0 * expected).backward()
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(by_chunks.grad, whole.grad, rtol=1e-5, atol=1e-6)  # float32 rounding: ~1 ulp
+    assert by_chunks.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert forward_kl_from_hidden(draft, target, head, head, 3).item() == pytest.approx(expected.item(), rel=1e-6)
+    empty = torch.zeros(0, 8, requires_grad=True)  # no counted row: 0, as forward_kl's masked mean gives
+    assert forward_kl_from_hidden(empty, empty.detach(), head, head, 3).item() == 0.0

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_medusa import chat_batch, tiny_target
+from test_medusa import VOCAB, chat_batch, packed_batch, tiny_target
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdraft.config import load_recipe, parse_recipe
 from specdraft.contract import TrainingContext
-from specdraft.drafters import load_drafter
+from specdraft.data.vocab import DraftVocab
+from specdraft.drafters import load_drafter, medusa2
+from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.medusa2 import (
     DRIFT_WARNING_KL,
     MEDUSA2,
@@ -24,6 +27,7 @@ from specdraft.drafters.medusa2 import (
 )
 from specdraft.errors import SpecdraftError
 from specdraft.export import check_exported, export, load_exported
+from specdraft.losses import forward_kl
 from specdraft.target import FrozenTarget
 
 
@@ -105,6 +109,80 @@ def test_lr_multipliers_naming_no_parameter_are_refused():
         (1e-3, 0.0, 1), (1e-3, 0.1, 1), (4e-3, 0.0, 1), (4e-3, 0.1, 1)]
     with pytest.raises(SpecdraftError, match=r"lr_multipliers name \['head\.'\]"):
         param_groups(module, 0.1, 1e-3, {"head.": 4.0})
+
+
+def adapted_drafter(**cfg):
+    """A Medusa-2 drafter whose adapters moved (B redrawn): the adapted target differs from the original."""
+    target = tiny_target()
+    vocab = DraftVocab.from_target_ids(torch.arange(200), VOCAB)  # the heads' rows: [M, 200], never [M, VOCAB]
+    drafter = MEDUSA2.build(target, Medusa2Config(num_heads=2, draft_vocab_size=200, **cfg), vocab)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in lora(drafter, "B"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return target, drafter
+
+
+@pytest.mark.parametrize("batch", [chat_batch(), packed_batch()], ids=["padded", "packed"])
+def test_l_lm_in_chunks_of_answer_rows_is_the_kl_of_the_full_logits(batch, monkeypatch):
+    """The loss and every trained tensor's gradient equal those of L_LM written over the two forwards' whole
+    [B, T, V] logits (forward_kl with the answer mask), to float32 rounding, in chunks of 4 answer rows."""
+    monkeypatch.setattr(medusa2, "KL_CHUNK_ROWS", 4)
+    target, drafter = adapted_drafter()
+    example = drafter.prepare(batch, TrainingContext(target, step=0))
+    out = drafter.compute_loss(example.batch, example.target)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
+    drafter.trained_module().zero_grad(set_to_none=True)
+
+    with torch.no_grad(), drafter.peft_model.disable_adapter():
+        original = target.forward_batch(batch, "full")
+    adapted = target.forward_batch(batch, "full")
+    heads = MedusaDrafter.compute_loss(drafter, batch, adapted)
+    attention = batch["attention_mask"].bool()
+    mask = batch["loss_mask"][:, 1:].bool() & attention[:, :-1] & attention[:, 1:]
+    if "seq_ids" in batch:
+        mask = mask & (batch["seq_ids"][:, :-1] == batch["seq_ids"][:, 1:])
+    assert mask.sum() > 8  # more answer rows than two chunks
+    lm = forward_kl(adapted.logits[:, :-1], original.logits[:, :-1], mask)
+    (lm + 0.2 * heads.loss).backward()
+    assert lm > 1e-3  # the adapters moved: L_LM and its gradient are not 0
+    torch.testing.assert_close(out.metrics["kl_original_adapted"], lm.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.loss.detach(), (lm + 0.2 * heads.loss).detach(), rtol=1e-5, atol=0)
+    expected = {n: p.grad for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
+    assert sorted(grads) == sorted(expected) and any("lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+class LargestVocabularyWideOutput(TorchDispatchMode):
+    """The most rows any op's output held at once over the whole vocabulary (last dim = VOCAB); views of the
+    ``weights`` (the LM head transposed for its matmul) are not activations and do not count."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.rows = 0
+        self.weights = {w.untyped_storage().data_ptr() for w in weights}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == VOCAB
+                    and tensor.untyped_storage().data_ptr() not in self.weights):
+                self.rows = max(self.rows, tensor.numel() // VOCAB)
+        return out
+
+
+def test_a_medusa2_step_never_holds_vocabulary_wide_logits_for_more_than_a_chunk_of_rows(monkeypatch):
+    """Medusa-2's peak memory was its two forwards' [B, T, V] float32 logits and L_LM's softmaxes and gradients
+    of that size (16.8 GiB on SmolLM2's 49k vocabulary): prepare, loss and backward now form V-wide tensors
+    of at most KL_CHUNK_ROWS rows (here 4; the batch has 40 positions)."""
+    monkeypatch.setattr(medusa2, "KL_CHUNK_ROWS", 4)
+    target, drafter = adapted_drafter()
+    with LargestVocabularyWideOutput(target.model.parameters()) as largest:
+        example = drafter.prepare(chat_batch(), TrainingContext(target, step=0))
+        drafter.compute_loss(example.batch, example.target).loss.backward()
+    assert 0 < largest.rows <= 4
 
 
 # -- real runs ------------------------------------------------------------------------------------------------

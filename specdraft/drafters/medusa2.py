@@ -69,7 +69,7 @@ from ..data.vocab import DraftVocab
 from ..decoding.speculative import plain_decode
 from ..errors import SpecdraftError
 from ..lora import LORA_MODULES, check_lora_modules, check_lora_settings, with_lora
-from ..losses import forward_kl
+from ..losses import forward_kl, forward_kl_from_hidden
 from ..optim import param_groups
 from ..target import FrozenTarget
 from .folder import target_config_dict
@@ -83,6 +83,9 @@ from .medusa import (
 )
 
 SCHEDULES = ("constant", "linear", "sine")
+# Answer rows whose vocabulary-wide logits L_LM forms at once: 128 x 49,152 float32 is 24 MiB per tensor, and a
+# chunk holds about a dozen such tensors (both logits, their softmaxes, the log-ratio, the gradients).
+KL_CHUNK_ROWS = 128
 
 
 @dataclass
@@ -127,12 +130,12 @@ def heads_schedule(cfg: Medusa2Config, step: int, total_steps: int) -> float:
 
 
 def medusa2_needs(cfg: Medusa2Config, target_config) -> TargetNeeds:
-    """Full logits (the KL to the original), the final hidden state (the heads), trained adapters. The LoRA
+    """The final hidden state (the heads, and L_LM's logits, formed a chunk at a time), trained adapters. The LoRA
     names are checked on a meta-device copy of the target: no weight loads."""
     medusa_needs(cfg, target_config)
     with torch.device("meta"):
         check_lora_modules(cfg.lora_target_modules, AutoModelForCausalLM.from_config(target_config))
-    return TargetNeeds(logits="full", final_hidden=True, trains_adapters=True)
+    return TargetNeeds(final_hidden=True, trains_adapters=True)
 
 
 # The PeftModel around each adapted target, so a second drafter on that target finds its adapters.
@@ -159,7 +162,7 @@ class Medusa2Drafter(MedusaDrafter):
 
     def __init__(self, target, cfg: Medusa2Config, draft_vocab: DraftVocab | None):
         super().__init__(target, cfg, draft_vocab)  # the fingerprint is of the target's own weights
-        self.needs = TargetNeeds(logits="full", final_hidden=True, trains_adapters=True)
+        self.needs = TargetNeeds(final_hidden=True, trains_adapters=True)
         peft_model = adapt(target, cfg)
         # Outside the module tree: the target is not this module's to save, cast or move.
         self._outside = (target, peft_model, nn.ModuleDict({"heads": self.heads, "adapters": peft_model}))
@@ -187,31 +190,46 @@ class Medusa2Drafter(MedusaDrafter):
 
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:
         target, cfg = self._outside[0], self.config
+        # No logits from either forward: L_LM forms them from the final hidden states a chunk of answer rows at
+        # a time (compute_loss), never as two [B, T, V] float32 tensors and their softmaxes.
         with torch.no_grad(), self.peft_model.disable_adapter():  # the teacher: the original target
-            original = target.forward_batch(batch, "full")
+            original = target.forward_batch(batch, "none")
         if context.training and not self._checked_data:
-            self._warn_unless_regenerated(batch, original.logits)
+            self._warn_unless_regenerated(batch, original.final_hidden)
         joint = context.step >= cfg.joint_from_step
         # Stage 1 reads the original target (its adapters take no step); stage 2 the adapted one, with
         # autograd through the adapters.
-        adapted = target.forward_batch(batch, "full") if joint else original
-        device = original.logits.device
+        adapted = target.forward_batch(batch, "none") if joint else original
+        device = original.final_hidden.device
         weight = cfg.heads_coefficient * heads_schedule(cfg, context.step, context.total_steps)
-        extra = {"teacher_logits": original.logits, "heads_weight": torch.tensor(weight, device=device),
+        extra = {"teacher_hidden": original.final_hidden, "heads_weight": torch.tensor(weight, device=device),
                  "joint": torch.tensor(float(joint), device=device)}
         return Example({**batch, **extra}, adapted)
 
-    def _warn_unless_regenerated(self, batch, logits) -> None:
+    def _warn_unless_regenerated(self, batch, final_hidden) -> None:
         """Medusa-2 distills the target on its own answers: data it would not have written pulls it away
         from itself. The original's top-1 matching under half the answer tokens says so."""
         self._checked_data = True
         mask = batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
-        agree = (logits[:, :-1].argmax(-1) == batch["input_ids"][:, 1:])[mask].float().mean().item()
+        hidden = final_hidden[:, :-1][mask]
+        top1 = torch.cat([self._original_logits(hidden[i : i + KL_CHUNK_ROWS]).argmax(-1)
+                          for i in range(0, hidden.shape[0], KL_CHUNK_ROWS)])
+        agree = (top1 == batch["input_ids"][:, 1:][mask]).float().mean().item()
         if agree < 0.5:
             warnings.warn(
                 f"the target's own top-1 matches only {agree:.0%} of the answer tokens: this data does not look like "
                 "its own answers, and Medusa-2 fine-tunes the target on it. Regenerate it first: specdraft "
                 "regenerate --target TARGET --data DATA --out data/regenerated.jsonl", stacklevel=2)
+
+    def _original_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The original target's float32 logits from its final hidden states, as its frozen forward forms them
+        (no autocast: a mixed-precision step does not change the teacher's numbers)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self._outside[0].logits_of(hidden, "full")
+
+    def _adapted_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The adapted target's float32 logits, under the step's autocast, as its forward with autograd forms them."""
+        return self._outside[0].logits_of(hidden, "full")
 
     def compute_loss(self, batch: dict[str, torch.Tensor], target_out) -> LossOutput:
         heads = super().compute_loss(batch, target_out)  # sum_k 0.8^k CE_k on the answers' tokens
@@ -219,8 +237,10 @@ class Medusa2Drafter(MedusaDrafter):
         mask = batch["loss_mask"][:, 1:].bool() & attention[:, :-1] & attention[:, 1:]
         if "seq_ids" in batch:
             mask = mask & (batch["seq_ids"][:, :-1] == batch["seq_ids"][:, 1:])
-        # L_LM = KL(p_original || p_adapted) at every answer position (0 in stage 1: the target is the original)
-        lm = forward_kl(target_out.logits[:, :-1], batch["teacher_logits"][:, :-1], mask)
+        # L_LM = KL(p_original || p_adapted) at every answer position (0 in stage 1: the target is the original),
+        # the vocabulary-wide logits formed KL_CHUNK_ROWS answer rows at a time.
+        lm = forward_kl_from_hidden(target_out.final_hidden[:, :-1][mask], batch["teacher_hidden"][:, :-1][mask],
+                                    self._adapted_logits, self._original_logits, KL_CHUNK_ROWS)
         loss = batch["joint"] * lm + batch["heads_weight"] * heads.loss
         metrics = {**heads.metrics, "loss_heads": heads.loss.detach(), "kl_original_adapted": lm.detach(),
                    "heads_weight": batch["heads_weight"]}
