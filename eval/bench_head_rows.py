@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from specdraft.drafters import get_family
 from specdraft.recipe_target import load_target, recipe_needs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import RECIPE_PREFIX, text_data  # noqa: E402
+from bench_train import RECIPE_PREFIX, text_data, time_alternately  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,21 +76,8 @@ def main() -> int:
         return out.loss.item()
 
     flattened = eagle1_module.borrowed_head_logits
-    times = {"target": [], "flattened": [], "sliced": []}
-    losses = {}
-    try:
-        for _ in range(args.repeats + 1):  # the first round warms up
-            started = time.perf_counter()
-            example = target_forward()
-            times["target"].append(time.perf_counter() - started)
-            for name, head in (("flattened", flattened), ("sliced", sliced_head_logits)):
-                eagle1_module.borrowed_head_logits = head
-                started = time.perf_counter()
-                losses[name] = drafter_step(example)
-                times[name].append(time.perf_counter() - started)
-    finally:
-        eagle1_module.borrowed_head_logits = flattened
-    best = {name: min(values[1:]) for name, values in times.items()}
+    best, losses, example = time_alternately(target_forward, drafter_step, eagle1_module, "borrowed_head_logits",
+                                             {"flattened": flattened, "sliced": sliced_head_logits}, args.repeats)
     tokens = int(batch["attention_mask"].sum())
     print(f"\n## bench_head_rows: {args.target}, EAGLE-1, torch {torch.__version__}, {args.threads} thread(s), "
           f"{args.rows} x {args.length} tokens, min of {args.repeats} alternated repeats")

@@ -39,6 +39,29 @@ def text_data(path: Path, n_files: int, chars: int) -> Path:
     return path
 
 
+def time_alternately(target_forward, drafter_step, module, attribute: str, variants: dict, repeats: int):
+    """Rounds of: the target's forward, then ``drafter_step(example)`` once with ``module.attribute`` set to each
+    variant in turn (the original put back at the end). The first round warms up. Returns the minimum seconds
+    of the later rounds ("target" and each variant's name), each variant's last ``drafter_step`` value, and the
+    last example."""
+    original = getattr(module, attribute)
+    times = {"target": [], **{name: [] for name in variants}}
+    values = {}
+    try:
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            example = target_forward()
+            times["target"].append(time.perf_counter() - started)
+            for name, variant in variants.items():
+                setattr(module, attribute, variant)
+                started = time.perf_counter()
+                values[name] = drafter_step(example)
+                times[name].append(time.perf_counter() - started)
+    finally:
+        setattr(module, attribute, original)
+    return {name: min(seconds[1:]) for name, seconds in times.items()}, values, example
+
+
 def one_configuration(config: dict) -> dict:
     """Train ``config["steps"]`` steps of one family in one mode, in this process; return its figures."""
     from specdraft.config import load_recipe

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from specdraft.drafters.eagle_common import attend
 from specdraft.recipe_target import load_target, recipe_needs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import RECIPE_PREFIX, text_data  # noqa: E402
+from bench_train import RECIPE_PREFIX, text_data, time_alternately  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,23 +81,9 @@ def one_length(target_name: str, length: int, rows: int, repeats: int, tmp: Path
         drafter.zero_grad(set_to_none=True)
         return out.loss.item()
 
-    example = target_forward()
-    times = {"target": [], "sink": [], "extended": []}
-    losses = {}
-    sink_keys = eagle3_module.TrainingTimeTestKeys
-    try:
-        for _ in range(repeats + 1):  # the first round warms up
-            started = time.perf_counter()
-            example = target_forward()
-            times["target"].append(time.perf_counter() - started)
-            for name, keys in (("sink", sink_keys), ("extended", ExtendedMaskKeys)):
-                eagle3_module.TrainingTimeTestKeys = keys
-                started = time.perf_counter()
-                losses[name] = drafter_step(example)
-                times[name].append(time.perf_counter() - started)
-    finally:
-        eagle3_module.TrainingTimeTestKeys = sink_keys
-    best = {name: min(values[1:]) for name, values in times.items()}
+    best, losses, _ = time_alternately(target_forward, drafter_step, eagle3_module, "TrainingTimeTestKeys",
+                                       {"sink": eagle3_module.TrainingTimeTestKeys, "extended": ExtendedMaskKeys},
+                                       repeats)
     return {"length": length, "rows": rows, "tokens": int(batch["attention_mask"].sum()), **best,
             "loss_difference": abs(losses["sink"] - losses["extended"]) / abs(losses["extended"])}
 
