@@ -32,6 +32,13 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .atomic import describe_bytes, is_disk_full, separate_tensors
 from .errors import SpecdraftError
@@ -184,9 +191,6 @@ def _fsdp_whole_parameters(model):
     """Each sharded parameter of ``model`` replaced by its whole tensor (an all-gather on every process), for
     reading, and the sharded one put back on exit: those are the ones FSDP and the optimizer hold. Outside
     forward and backward FSDP2 keeps them registered and leaves the swap alone."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()  # the root stays unsharded after a forward with no backward (the held-out loss)
@@ -206,8 +210,6 @@ def _fsdp_whole_parameters(model):
 def fsdp_slices(model, weights: dict) -> dict:
     """Whole tensors, each cut as ``model``'s sharded parameter of that name is, for its load_state_dict. Every
     process read the same file, so each keeps its own slice: no communication."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     current = model.state_dict()
     return {name: distribute_tensor(tensor, current[name].device_mesh, current[name].placements, src_data_rank=None)
             if isinstance(current.get(name), DTensor) else tensor for name, tensor in weights.items()}
@@ -215,14 +217,11 @@ def fsdp_slices(model, weights: dict) -> dict:
 
 def _fsdp_optimizer_state(step_module, optimizer) -> dict:
     """The optimizer's whole state, keyed by parameter name, on the main process (every process calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     return get_optimizer_state_dict(step_module, _torch_optimizer(optimizer),
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _load_fsdp_optimizer_state(step_module, optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(step_module, _torch_optimizer(optimizer), optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))
