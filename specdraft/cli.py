@@ -77,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
                                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog(name))
     if module.__name__ == "specdraft.cli_train":
         module.add_arguments(cmd_parser, name)
+        # RECIPE [OVERRIDES ...] with options anywhere: `specdraft train r.yaml --overwrite k=v` as well
+        args = cmd_parser.parse_intermixed_args(argv[1:])
     else:
         module.add_arguments(cmd_parser)
-    args = cmd_parser.parse_args(argv[1:])
+        args = cmd_parser.parse_args(argv[1:])
     args.command = name
     try:
         return int(module.run(args) or 0)

@@ -433,3 +433,21 @@ def test_a_family_that_trains_adapters_in_the_target_cannot_read_cached_features
     raw = make_recipe(tmp_path, target_dir, data, training={"feature_cache": str(tmp_path / "features")})
     with pytest.raises(SpecdraftError, match="trains adapters inside the target.*unset training.feature_cache"):
         train(parse_recipe(raw), show_progress=False)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "r.yaml", "--overwrite", "training.max_steps=3", "--no-progress", "data.path=a.jsonl"],
+    ["train", "--overwrite", "--no-progress", "r.yaml", "training.max_steps=3", "data.path=a.jsonl"],
+])
+def test_train_options_may_come_before_or_after_the_recipe_and_its_overrides(monkeypatch, argv):
+    # `specdraft train RECIPE --overwrite KEY=VALUE` used to stop with "unrecognized arguments" for every override
+    # after the option (argparse's plain parsing ends the positional list at the first option).
+    import specdraft.cli_train
+    from specdraft.cli import main
+
+    seen = []
+    monkeypatch.setattr(specdraft.cli_train, "run", lambda args: seen.append(args) or 0)
+    assert main(argv) == 0
+    (args,) = seen
+    assert (args.recipe, args.overrides) == ("r.yaml", ["training.max_steps=3", "data.path=a.jsonl"])
+    assert args.overwrite and args.no_progress and not args.resume
