@@ -38,3 +38,22 @@ def document_lengths(attention_mask: torch.Tensor, seq_ids: torch.Tensor | None 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     """x[:, n:] padded back to length T with ``fill``: position t now holds x[:, t + n]."""
     return F.pad(x[:, n:], (0, n), value=fill)
+
+
+def counted_rows(weights: list[torch.Tensor], row_length: int) -> list[torch.Tensor]:
+    """For each bool loss weight ``[B, R_k]`` (R_k <= ``row_length``), the flat indices ``b * row_length + i``
+    of its True entries, found in one host sync for all of them.
+
+    A loss that reads only these rows (``rows_at``) runs the LM head and the vocabulary-wide passes over the
+    positions it counts: a packed row's padding and the prompts' tokens are skipped, and a masked mean over
+    them is the same mean."""
+    stacked = torch.stack([F.pad(w.bool(), (0, row_length - w.shape[1])) for w in weights])  # [K, B, L]
+    where = stacked.nonzero()  # [n, 3], ordered by step: the one host sync
+    flat = where[:, 1] * row_length + where[:, 2]
+    return list(flat.split(stacked.sum((1, 2)).tolist()))
+
+
+def rows_at(x: torch.Tensor, index: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """``x`` [B, L, ...] at the flat indices ``index`` (from ``counted_rows``) moved ``shift`` positions right
+    within their rows: [n, ...]."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, index + shift)

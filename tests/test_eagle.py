@@ -754,3 +754,84 @@ def test_eagle3_checkpoint_logits_keeps_no_draft_logits_and_changes_nothing():
 def test_eagle3_checkpoint_logits_must_be_a_bool():
     with pytest.raises(SpecdraftError, match="checkpoint_logits must be true or false"):
         Eagle3Config(checkpoint_logits="yes")
+
+
+def packed_chat_batch():
+    """Two packed rows of 24: row 0 holds two conversations (prompts of 5 and 3 tokens, answers of 7), then
+    padding; row 1 one conversation (a 7-token prompt, an 11-token answer), then padding."""
+    layout = [[(5, 7), (3, 7)], [(7, 11)]]
+    T = 24
+    ids = random_ids(2, T, seed=5)
+    attention, loss_mask = torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long)
+    seq_ids, positions = torch.full((2, T), -1), torch.zeros(2, T, dtype=torch.long)
+    for b, docs in enumerate(layout):
+        start = 0
+        for d, (prompt, answer) in enumerate(docs):
+            end = start + prompt + answer
+            attention[b, start:end], loss_mask[b, start + prompt:end], seq_ids[b, start:end] = 1, 1, d
+            positions[b, start:end] = torch.arange(end - start)
+            start = end
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "seq_ids": seq_ids,
+            "position_ids": positions}
+
+
+def dense_eagle_loss(family, drafter, batch, target_out):
+    """The loss written over every row of [B, rows], weighted by the counted mask (what compute_loss did before
+    it gathered the counted rows): the reference the gathered loss must equal."""
+    ids, attention, seq_ids = batch["input_ids"], batch["attention_mask"].bool(), batch["seq_ids"]
+    loss_mask, positions = batch["loss_mask"].bool(), batch["position_ids"]
+    B, T = ids.shape
+    mask0 = block_causal_mask(attention, seq_ids)
+    if family == "eagle1":
+        features = target_out.final_hidden
+        predicted = drafter.draft_step(features, shift_left(ids, 1), positions, mask=mask0)
+        rows = T - 2
+        weight = loss_mask[:, 2:] & attention[:, :rows] & attention[:, 2:] & (seq_ids[:, :rows] == seq_ids[:, 2:])
+        p = torch.softmax(target_out.logits[:, 1 : rows + 1].float(), -1)
+        return eagle1_loss(predicted[:, :rows], features[:, 1 : rows + 1], drafter.draft_logits(predicted[:, :rows]),
+                           p, weight, drafter.config.cls_weight)[0]
+    target_probs = draft_vocab_probs(target_out, drafter.draft_ids)
+    in_vocab = label_in_draft_vocab(ids, drafter.t2d)
+    losses = []
+    for k, hidden in enumerate(drafter.unroll(drafter.target_features(target_out), ids, positions, mask0)):
+        rows = T - k - 2
+        weight = (loss_mask[:, k + 2 :] & in_vocab[:, k + 2 :] & attention[:, :rows] & attention[:, k + 2 :]
+                  & (seq_ids[:, :rows] == seq_ids[:, k + 2 :]))
+        losses.append(soft_cross_entropy(drafter.draft_logits(hidden[:, :rows]),
+                                         target_probs[:, k + 1 : k + 1 + rows], weight))
+    weights = ttt_step_weights(len(losses), drafter.config.step_weight_decay)
+    return sum(w * step_loss for w, step_loss in zip(weights, losses))
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_the_lm_head_runs_over_the_counted_rows_only_and_the_loss_is_unchanged(family):
+    # The LM head and the vocabulary-wide loss used to run over every position of [B, T - k - 2], the prompts'
+    # tokens and the packing's padding included, and then mask them out. They now run over the counted rows:
+    # the same loss and gradients, with the head fed exactly as many rows as the loss counts.
+    target = tiny_target()
+    drafter = build(family, target, **FAMILY_CFG[family], **({"noise": "none"} if family == "eagle1" else {}))
+    batch = packed_chat_batch()
+    target_out = target.forward_batch(batch)
+    head = drafter.target_lm_head if family == "eagle1" else drafter.lm_head
+    fed = []
+    hook = head.register_forward_hook(lambda module, args, out: fed.append(args[0].numel() // args[0].shape[-1]))
+    try:
+        out = drafter.compute_loss(batch, target_out)
+    finally:
+        hook.remove()
+    out.loss.backward()
+    gathered = {n: p.grad.clone() for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+
+    steps = 1 if family == "eagle1" else FAMILY_CFG[family]["ttt_steps"]
+    answer_rows = [int(batch["loss_mask"][:, k + 2 :].sum()) for k in range(steps)]  # the counted rows, at most
+    assert len(fed) == steps
+    assert all(0 < n <= rows for n, rows in zip(fed, answer_rows)), (fed, answer_rows)
+    assert sum(fed) < 0.6 * steps * 2 * 24  # far fewer than every row of the two packed rows
+
+    dense = dense_eagle_loss(family, drafter, batch, target_out)
+    dense.backward()
+    assert_close(out.loss, dense)
+    assert gathered.keys() == {n for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
+    for name, grad in gathered.items():
+        assert_close(grad, drafter.trained_module().get_parameter(name).grad, what=name)

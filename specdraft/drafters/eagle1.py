@@ -37,7 +37,7 @@ from torch import nn
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss
-from ..masks import block_causal_mask, document_lengths, shift_left
+from ..masks import block_causal_mask, counted_rows, document_lengths, rows_at, shift_left
 from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
@@ -167,16 +167,19 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
         if "seq_ids" in batch:  # packing: the predicted token must belong to row i's document
             weight = weight & (batch["seq_ids"][:, :rows] == batch["seq_ids"][:, 2:])
 
-        draft_logits = self.draft_logits(predicted[:, :rows])
-        target_logits = target_out.logits[:, 1 : rows + 1]  # the target's dtype: softmax reads it as float32
+        # The LM head and the loss run over the counted rows only (not the prompts' tokens or the padding).
+        (index,) = counted_rows([weight], T)
+        predicted_rows = rows_at(predicted, index)
+        draft_logits = self.draft_logits(predicted_rows)
+        target_logits = rows_at(target_out.logits, index, shift=1)  # the target's dtype: read as float32 below
+        every = torch.ones(index.shape, dtype=torch.bool, device=index.device)
         loss, regression, classification = eagle1_loss(
-            predicted[:, :rows], features[:, 1 : rows + 1], draft_logits,
+            predicted_rows, rows_at(features, index, shift=1), draft_logits,
             torch.softmax(target_logits, -1, dtype=torch.float32),
-            weight, self.config.cls_weight, DRAFTER_LOSSES[self.config.loss],
+            every, self.config.cls_weight, DRAFTER_LOSSES[self.config.loss],
         )
         with torch.no_grad():
-            hit = (draft_logits.argmax(-1) == target_logits.argmax(-1)) & weight
-            acc = hit.sum() / weight.sum().clamp_min(1)
+            acc = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean().nan_to_num(0.0)
         metrics = {"loss_reg": regression.detach(), "loss_cls": classification.detach(), "acc_0": acc}
         return LossOutput(loss, metrics)
 

@@ -66,7 +66,7 @@ from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss
-from ..masks import block_causal_mask, shift_left
+from ..masks import block_causal_mask, counted_rows, rows_at, shift_left
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
@@ -298,25 +298,29 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         in_vocab = label_in_draft_vocab(ids, self.t2d)
         mask0 = block_causal_mask(attention, seq_ids)  # step 0 sees what the target saw
         steps = self.unroll(self.target_features(target_out), ids, positions, mask0)
-        losses, correct, counted = [], [], []
-        for k, hidden in enumerate(steps):
-            # Step k, row i predicts t_{i+k+2} ~ logits[:, i+k+1], weighted by loss_mask[:, i+k+2]
-            # (the loop's loss_mask[:, 1:] convention). Rows 0..T-k-3 have a target.
+        # Step k, row i predicts t_{i+k+2} ~ logits[:, i+k+1], weighted by loss_mask[:, i+k+2] (the loop's
+        # loss_mask[:, 1:] convention). Rows 0..T-k-3 have a target.
+        counted = []
+        for k in range(len(steps)):
             rows = max(T - k - 2, 0)
-            step_target = target_probs[:, k + 1 : k + 1 + rows]
-            weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 2 :]
-            weight = weight & attention[:, :rows] & attention[:, k + 2 :]
+            weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 2 :] & attention[:, :rows] & attention[:, k + 2 :]
             if seq_ids is not None:  # packing: the predicted token must be in row i's document
                 weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
+            counted.append(weight)
+        # The LM head and the loss run over the counted rows only (not the prompts' tokens or the padding).
+        losses, correct = [], []
+        for k, (hidden, weight, index) in enumerate(zip(steps, counted, counted_rows(counted, T))):
+            step_hidden, step_target = rows_at(hidden, index), rows_at(target_probs, index, shift=k + 1)
+            every = torch.ones(index.shape, dtype=torch.bool, device=index.device)
             if self.config.checkpoint_logits and torch.is_grad_enabled():
-                step_loss, draft_top = checkpoint(self.step_loss, hidden[:, :rows], step_target, weight,
-                                                  use_reentrant=False)
+                step_loss, draft_top = checkpoint(self.step_loss, step_hidden, step_target, every, use_reentrant=False)
             else:
-                step_loss, draft_top = self.step_loss(hidden[:, :rows], step_target, weight)
+                step_loss, draft_top = self.step_loss(step_hidden, step_target, every)
             losses.append(step_loss)
             with torch.no_grad():  # the target's top-1 within the draft vocabulary
-                correct.append(draft_top == step_target.argmax(-1))
-                counted.append(weight)
+                hit = torch.zeros(B * T, dtype=torch.bool, device=index.device)
+                hit[index] = draft_top == step_target.argmax(-1)
+                correct.append(hit.view(B, T)[:, : weight.shape[1]])
 
         weights = ttt_step_weights(len(losses), self.config.step_weight_decay)
         loss = sum(w * step_loss for w, step_loss in zip(weights, losses))
