@@ -301,6 +301,36 @@ def test_the_loss_is_decaying_distillation_from_the_target():
     torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("labels", ["target", "tokens"])
+def test_the_loss_is_decaying_cross_entropy_toward_the_chosen_labels(labels):
+    """labels: target distils p_target(. | t_<a+j) into slot j; labels: tokens (SpecForge's hard labels) trains
+    slot j on the data's token t_{a+j}, -log q(t_{a+j}), with the same weights and counted slots."""
+    target = tiny_target()
+    gamma = 2.0
+    drafter = dflash(target, block_size=4, num_anchors=2, loss_decay_gamma=gamma, labels=labels)
+    ids = random_ids(1, 16, seed=7)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, 6] = 0
+    anchors = torch.tensor([[4, 14]])
+    drafter.sample_anchors = lambda valid, generator: (anchors, torch.ones_like(anchors, dtype=torch.bool))
+    out = loss_on(drafter, target, batch_of(ids, loss_mask))
+    del drafter.sample_anchors
+    target_logits = target(ids, logits="full").logits[0]
+    num = den = 0.0
+    for a in anchors[0].tolist():
+        q = torch.log_softmax(specdraft_block_logits(drafter, target, ids[0], a), -1)
+        for j in range(1, 4):
+            if a + j >= 16 or not loss_mask[0, a + j]:
+                continue
+            if labels == "tokens":
+                ce = -q[j - 1, ids[0, a + j]]
+            else:
+                ce = -(torch.softmax(target_logits[a + j - 1], -1) * q[j - 1]).sum()
+            w = math.exp(-(j - 1) / gamma)
+            num, den = num + w * ce, den + w
+    torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
+
+
 def test_a_drafter_that_outputs_the_targets_next_token_state_loses_only_the_targets_entropy():
     """The loss targets are aligned: a drafter whose slot j (at position a + j) outputs the target's final
     state at a + j - 1 reproduces the target's logits there, so its distillation loss is the target's own
@@ -734,6 +764,7 @@ def test_an_export_of_a_draft_layer_the_engine_lacks_is_refused(tmp_path, fmt, e
     ({"draft_layer": "gemma"}, "draft_layer must be one of qwen3, llama"),
     ({"norm_init": 0}, "norm_init must be a number > 0"),
     ({"norm_init": "small"}, "norm_init must be a number > 0"),
+    ({"labels": "soft"}, "labels must be one of target, tokens"),
 ])
 def test_bad_config_values(settings, match):
     with pytest.raises(SpecdraftError, match=match):

@@ -49,7 +49,7 @@ a + j - 1), with the paper's exponentially decaying weight (its Eq. 4),
 where m counts answer tokens inside the sequence and document. The paper's gamma is 7 for blocks of 16, 5
 for 10 and 4 for 8 (SpecForge's --loss-decay-gamma help); SpecForge trains on the data's tokens (hard labels),
 the issue and Model-Optimizer's ``dflash_self_logit_distillation`` on the target's logits, which is what this
-does. Held-out batches draw their anchors from a fixed generator, leaving the training RNG alone.
+does by default (``drafter.labels: tokens`` trains on the data's tokens instead, as SpecForge). Held-out batches draw their anchors from a fixed generator, leaving the training RNG alone.
 
 Decoding (``DFlashDraftSource``): one draft forward per step. The source keeps each layer's context keys and
 values in a preallocated cache; ``propose`` projects the features the last ``commit`` handed over into it
@@ -106,6 +106,9 @@ from .folder import check_same_target, read_drafter_folder, target_config_dict, 
 
 FAMILY = "dflash"
 DRAFT_LAYERS = ("qwen3", "llama")  # qwen3: with QK-norm, the layer vLLM and SGLang load; llama: without
+# target: the target's next-token distribution at a + j - 1 (logit distillation, the paper's Eq. 4 weights);
+# tokens: the data's token a + j (hard-label cross-entropy, z-lab's and SpecForge's "dflash" loss_type)
+DFLASH_LABELS = ("target", "tokens")
 
 
 @dataclass
@@ -120,6 +123,7 @@ class DFlashConfig:
     num_anchors: int = 512  # blocks per sequence in training (SpecForge's --num-anchors)
     draft_layer: str = "qwen3"  # one of DRAFT_LAYERS
     norm_init: float = 1.0  # the final RMSNorm's starting weight (z-lab, SpecForge: 1); see DFlashDrafter
+    labels: str = "target"  # one of DFLASH_LABELS: what slot j is trained toward
 
     # SpecForge scripts/train_dflash.py: AdamW at lr 6e-4, gradient-norm clipping at 1.0.
     optimizer_defaults: ClassVar[dict] = {"lr": 6e-4, "betas": (0.9, 0.999), "weight_decay": 0.0, "max_grad_norm": 1.0}
@@ -145,6 +149,9 @@ class DFlashConfig:
         if isinstance(self.norm_init, bool) or not isinstance(self.norm_init, (int, float)) or not self.norm_init > 0:
             raise SpecdraftError(f"drafter.norm_init must be a number > 0 (the final norm's starting weight; 1 as "
                                  f"z-lab and SpecForge, 0.1 for SmolLM2's tied head), got {self.norm_init!r}")
+        if self.labels not in DFLASH_LABELS:
+            raise SpecdraftError(f"drafter.labels must be one of {', '.join(DFLASH_LABELS)}, got {self.labels!r} "
+                                 "(target: distil the target's distribution; tokens: cross-entropy on the data's tokens)")
         if self.draft_layer not in DRAFT_LAYERS:
             raise SpecdraftError(f"drafter.draft_layer must be one of {', '.join(DRAFT_LAYERS)}, got "
                                  f"{self.draft_layer!r} (qwen3: QK-norm, what vLLM and SGLang load)")
@@ -397,7 +404,11 @@ class DFlashDrafter(nn.Module):
         if seq_ids is not None:
             counted &= seq_ids.gather(1, at[:, :, 1:].reshape(B, -1)).view(B, N, bs - 1) == \
                 seq_ids.gather(1, anchors)[:, :, None]
-        per_slot = dflash_distillation(logits, target_logits)  # [B, N, bs-1]
+        if self.config.labels == "tokens":
+            tokens = ids.gather(1, at[:, :, 1:].reshape(B, -1)).view(B, N, bs - 1)
+            per_slot = block_cross_entropy(logits, tokens)  # [B, N, bs-1]
+        else:
+            per_slot = dflash_distillation(logits, target_logits)
         weights = block_weights(bs, self.config.loss_decay_gamma, device)  # [bs-1]
         w = counted.float() * weights
         loss = (per_slot * w).sum() / w.sum().clamp_min(1e-6)
@@ -439,6 +450,12 @@ def dflash_distillation(draft_logits: torch.Tensor, target_logits: torch.Tensor)
 
 
 # -- decoding ----------------------------------------------------------------------------------------------------
+
+
+def block_cross_entropy(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-slot CE(onehot(token), q) = -log q(token): the hard-label loss z-lab and SpecForge train DFlash with
+    (on the data's tokens, which for the target's own answers are its greedy choices)."""
+    return -torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 class DFlashDraftSource:
