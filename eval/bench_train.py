@@ -3,10 +3,15 @@
     python eval/bench_train.py --target smollm2-135m-instruct         # EAGLE-1 and EAGLE-3, online and offline
     python eval/bench_train.py --target toy --families eagle3 --modes online
     python eval/bench_train.py --target smollm2-135m-instruct --set training.mixed_precision=bf16
+    python eval/bench_train.py --target smollm2-135m-instruct --families eagle3 --modes online \
+        --data WORK/data/answers.jsonl --baseline-tree /tmp/old --repeats 2     # chat answers; old code vs this
 
 Each configuration runs the real ``specdraft train`` path with recipes/<target>-<family>.yaml, in a
 fresh process so that its peak memory is its own, on the same plain-text chunks of the standard
-library's source (training files of the toy target). ``offline`` first writes the target's features
+library's source (training files of the toy target), or on chat answers (``--data``: messages JSONL, e.g. the
+target's own answers that eval/bench_families.py writes, packed as the recipes pack them). ``--baseline-tree DIR``
+runs every configuration also on the ``specdraft`` package of another checkout (``git archive COMMIT | tar -x -C
+DIR``), alternating baseline and this tree ``--repeats`` times, and prints each one's median. ``offline`` first writes the target's features
 with ``cache-features`` and then trains from them (the target forward leaves the step). The loop
 times the target forward inside each step, so tokens/s and the target's share come from the same
 run; the figures are those of the second logging window (warm). Host timers: exact on CPU; on
@@ -17,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,9 +78,12 @@ def one_configuration(config: dict) -> dict:
     torch.set_num_threads(config["threads"])
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        data = text_data(tmp / "text.jsonl", n_files=400, chars=16 * config["max_length"])
-        overrides = [
-            f"data.path={data}", "data.format=text", f"data.max_length={config['max_length']}",
+        if config["data"]:
+            data_overrides = [f"data.path={config['data']}", "data.format=messages", "data.eval_fraction=0"]
+        else:
+            data = text_data(tmp / "text.jsonl", n_files=400, chars=16 * config["max_length"])
+            data_overrides = [f"data.path={data}", "data.format=text"]
+        overrides = data_overrides + [f"data.max_length={config['max_length']}",
             f"training.max_steps={config['steps']}", f"training.micro_batch_size={config['micro_batch']}",
             "training.grad_accumulation=1", f"training.log_every={config['steps'] // 2}", "training.eval_every=0",
             f"checkpoint.save_every={config['steps']}", f"checkpoint.output_dir={tmp / 'run'}", "eval.enabled=false",
@@ -103,6 +113,10 @@ def main() -> int:
     parser.add_argument("--max-length", type=int, default=None, help="tokens per row (default: 256 toy, 512 SmolLM2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
+    parser.add_argument("--data", default=None, help="chat answers (messages JSONL) instead of plain text")
+    parser.add_argument("--baseline-tree", default=None, type=Path,
+                        help="another checkout's root: each configuration also runs on its specdraft package")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (alternated); medians")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # one configuration, in its own process
@@ -112,34 +126,46 @@ def main() -> int:
     small = args.target == "toy"
     steps = args.steps or (40 if small else 12)
     micro_batch, max_length = args.micro_batch or (8 if small else 4), args.max_length or (256 if small else 512)
+    trees = {"baseline": args.baseline_tree.resolve(), "this tree": REPO} if args.baseline_tree else {"this tree": REPO}
     rows = []
     for family in args.families:
         recipe = REPO / "recipes" / f"{RECIPE_PREFIX[args.target]}{family}.yaml"
         for mode in args.modes:
             config = {"family": family, "mode": mode, "recipe": str(recipe), "steps": steps, "threads": args.threads,
-                      "micro_batch": micro_batch, "max_length": max_length, "overrides": args.set}
-            print(f"{family} {mode}: {steps} steps ...", flush=True)
-            done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], check=False,
-                                  capture_output=True, text=True)
-            result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not result:
-                print(done.stdout[-2000:], done.stderr[-4000:], sep="\n")
-                return 1
-            rows.append({**config, **json.loads(result[-1][len("RESULT "):])})
+                      "micro_batch": micro_batch, "max_length": max_length, "overrides": args.set,
+                      "data": str(Path(args.data).resolve()) if args.data else None}
+            runs = {name: [] for name in trees}
+            for repeat in range(args.repeats):
+                for name, tree in trees.items():  # alternated, so a drift in the machine's speed hits both
+                    print(f"{family} {mode} ({name}, run {repeat + 1}): {steps} steps ...", flush=True)
+                    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+                    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], check=False,
+                                          capture_output=True, text=True, env=env)
+                    result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                    if done.returncode or not result:
+                        print(done.stdout[-2000:], done.stderr[-4000:], sep="\n")
+                        return 1
+                    runs[name].append(json.loads(result[-1][len("RESULT "):]))
+            for name, results in runs.items():
+                median = {key: statistics.median(r[key] for r in results) if results[0][key] is not None else None
+                          for key in results[0]}
+                rows.append({**config, **median, "tree": name})
 
     print(f"\n## bench_train: {args.target}, torch {torch.__version__}, {args.threads} thread(s), "
           f"micro-batch {micro_batch} x {max_length} tokens, {steps} steps (figures of the warm second half)"
-          + (f", overrides {' '.join(args.set)}" if args.set else ""))
+          + (f", overrides {' '.join(args.set)}" if args.set else "")
+          + (f", chat answers {args.data}" if args.data else ", plain text")
+          + (f", median of {args.repeats} alternated runs" if args.repeats > 1 else ""))
     print(f"`python eval/bench_train.py {' '.join(sys.argv[1:])}`\n")
-    print("| drafter | mode | training tokens/s | target forward share of a step | step / target forward "
+    print("| drafter | code | mode | training tokens/s | target forward share of a step | step / target forward "
           "| peak RSS GiB | peak GPU GiB | cache-features s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         share = row["target_fraction"]
         ratio = f"{1 / share:.2f}x" if share > 0 else "- (no target forward)"
         cache = f"{row['cache_features_seconds']:.0f}" if row["cache_features_seconds"] is not None else "-"
         gpu = f"{row['peak_cuda_gib']:.2f}" if row["peak_cuda_gib"] is not None else "-"
-        print(f"| {row['family']} | {row['mode']} | {row['tokens_per_s']:.0f} | {share:.1%} | {ratio} "
+        print(f"| {row['family']} | {row['tree']} | {row['mode']} | {row['tokens_per_s']:.0f} | {share:.1%} | {ratio} "
               f"| {row['peak_rss_gib']:.2f} | {gpu} | {cache} |")
     return 0
 
