@@ -1,10 +1,12 @@
 import json
+import threading
 
 import datasets
 import pytest
 import torch
 from tiny import tiny_tokenizer
 
+from specdraft.atomic import current_umask
 from specdraft.config import DataConfig
 from specdraft.data import vocab as vocab_module
 from specdraft.data.pipeline import build_datasets, vocab_cache_key_parts
@@ -105,3 +107,37 @@ def test_changed_data_gives_a_new_map(tmp_path):
     assert not torch.equal(cats.t2d, dogs.t2d)
     assert tokenizer.eos_token_id in dogs.draft_to_target.tolist()  # every answer ends with it
     assert set(tokenizer(" dog")["input_ids"]) <= set(dogs.draft_to_target.tolist())
+
+
+def test_writers_of_the_same_draft_vocab_cache_at_once_do_not_collide(tmp_path, monkeypatch):
+    # The processes of one node build the same cache file at once. With one shared temporary name, the second
+    # writer overwrote the first one's temporary file and moved it into place, and the first then failed on
+    # os.replace (FileNotFoundError). Writer A is held between writing and renaming while B writes.
+    vocab = DraftVocab.from_target_ids(torch.tensor([5, 1, 3]), 8)
+    path = tmp_path / "cache" / "draft_vocab_x.safetensors"
+    real_save, a_written, b_done, errors = vocab_module.save_file, threading.Event(), threading.Event(), []
+
+    def held_save(tensors, filename):
+        real_save(tensors, filename)
+        if threading.current_thread().name == "A":
+            a_written.set()
+            b_done.wait(10)
+
+    def write():
+        try:
+            save_draft_vocab(vocab, path)
+        except Exception as e:  # noqa: BLE001  reported by the assertion below
+            errors.append(e)
+
+    monkeypatch.setattr(vocab_module, "save_file", held_save)
+    writer_a = threading.Thread(target=write, name="A")
+    writer_a.start()
+    assert a_written.wait(10)
+    save_draft_vocab(vocab, path)  # B, while A holds its temporary file
+    b_done.set()
+    writer_a.join(10)
+    assert not errors, errors
+    loaded = load_draft_vocab(path)
+    assert torch.equal(loaded.d2t, vocab.d2t) and torch.equal(loaded.t2d, vocab.t2d)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()

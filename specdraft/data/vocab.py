@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from ..atomic import current_umask
 from ..errors import SpecdraftError
 from .records import Records
 
@@ -116,12 +118,20 @@ def build_draft_vocab(
 
 
 def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> None:
-    """``d2t`` / ``t2d`` as safetensors, written to a temporary name first so a crash leaves no half file."""
+    """``d2t`` / ``t2d`` as safetensors, written to a temporary name first so a crash leaves no half file. The
+    name is this writer's own: the processes of one node build the same cache at once, and with one shared
+    name a writer's file could be moved away, or replaced half-written, under another."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, str(tmp))
-    os.replace(tmp, path)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # what open() would give it (mkstemp makes it private, 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def load_draft_vocab(path: str | Path) -> DraftVocab:
