@@ -190,6 +190,9 @@ def train_family(family: str, recipe_path: Path, overrides: list[str], run_dir: 
     if record_file.is_file() and json.loads(record_file.read_text()).get("stamp") == stamp:
         return {**json.loads(record_file.read_text()), "reused": True}
     recipe = load_recipe(recipe_path, overrides)
+    # A record of another recipe, overrides or data is stale; it is the bench's own file in the run folder, which
+    # train's --overwrite refuses to delete as not specdraft's, so it goes first.
+    record_file.unlink(missing_ok=True)
     started = time.perf_counter()
     train(recipe, overwrite=True, show_progress=False)
     seconds = time.perf_counter() - started

@@ -152,3 +152,25 @@ def test_dflash_drafts_its_whole_block_beside_the_others_at_k_and_the_table_says
         assert table[2].startswith("| plain | - |") and table[5].startswith("| dflash | 3 |")
     assert "dflash" in results[0.0]["greedy_identical"]
     assert (tmp_path / "eval" / "k-3" / "temperature-0").is_dir()
+
+
+def test_a_run_trained_again_after_its_overrides_changed_replaces_its_stale_record(tmp_path):
+    # The bench keeps bench_record.json in each run folder. When the stamp no longer matched, it retrained with
+    # --overwrite, which refuses a folder holding a file specdraft did not write: every rerun with another budget
+    # stopped there.
+    from bench_families import recipe_for, train_family
+
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}."},
+                                                     {"role": "assistant", "content": f"{i} {i} {i}, said."}]}) + "\n"
+                            for i in range(6)))
+    run = tmp_path / "runs" / "eagle3"
+    overrides = [f"data.path={data}", f"checkpoint.output_dir={run}", "data.eval_fraction=0", "data.max_length=64",
+                 "training.micro_batch_size=2", "training.eval_every=0", "eval.enabled=false",
+                 "drafter.draft_vocab_size=null", "training.max_steps=1"]
+    first = train_family("eagle3", recipe_for("toy", "eagle3"), overrides, run, "data")
+    again = train_family("eagle3", recipe_for("toy", "eagle3"), overrides, run, "data")
+    longer = train_family("eagle3", recipe_for("toy", "eagle3"), overrides + ["training.max_steps=2"], run, "data")
+    assert first["steps"] == 1 and again["reused"]
+    assert longer["steps"] == 2 and "reused" not in longer
+    assert json.loads((run / "bench_record.json").read_text())["steps"] == 2
