@@ -49,7 +49,8 @@ a + j - 1), with the paper's exponentially decaying weight (its Eq. 4),
 where m counts answer tokens inside the sequence and document. The paper's gamma is 7 for blocks of 16, 5
 for 10 and 4 for 8 (SpecForge's --loss-decay-gamma help); SpecForge trains on the data's tokens (hard labels),
 the issue and Model-Optimizer's ``dflash_self_logit_distillation`` on the target's logits, which is what this
-does by default (``drafter.labels: tokens`` trains on the data's tokens instead, as SpecForge). Held-out batches draw their anchors from a fixed generator, leaving the training RNG alone.
+does by default (``drafter.labels: tokens`` trains on the data's tokens instead, as SpecForge). Held-out
+batches draw their anchors from a fixed generator, leaving the training RNG alone.
 
 Decoding (``DFlashDraftSource``): one draft forward per step. The source keeps each layer's context keys and
 values in a preallocated cache; ``propose`` projects the features the last ``commit`` handed over into it
@@ -70,6 +71,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -449,13 +451,14 @@ def dflash_distillation(draft_logits: torch.Tensor, target_logits: torch.Tensor)
     return -(p * torch.log_softmax(draft_logits.float(), dim=-1)).sum(-1)
 
 
-# -- decoding ----------------------------------------------------------------------------------------------------
-
-
 def block_cross_entropy(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Per-slot CE(onehot(token), q) = -log q(token): the hard-label loss z-lab and SpecForge train DFlash with
     (on the data's tokens, which for the target's own answers are its greedy choices)."""
-    return -torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    flat = F.cross_entropy(draft_logits.float().flatten(0, -2), tokens.flatten(), reduction="none")
+    return flat.view(tokens.shape)
+
+
+# -- decoding ----------------------------------------------------------------------------------------------------
 
 
 class DFlashDraftSource:
