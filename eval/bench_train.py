@@ -11,9 +11,9 @@ fresh process so that its peak memory is its own, on the same plain-text chunks 
 library's source (training files of the toy target), or on chat answers (``--data``: messages JSONL, e.g. the
 target's own answers that eval/bench_families.py writes, packed as the recipes pack them). ``--baseline-tree DIR``
 runs every configuration also on the ``specdraft`` package of another checkout (``git archive COMMIT | tar -x -C
-DIR``), alternating baseline and this tree ``--repeats`` times, and prints each one's median. ``offline`` first writes the target's features
-with ``cache-features`` and then trains from them (the target forward leaves the step). The loop
-times the target forward inside each step, so tokens/s and the target's share come from the same
+DIR``), alternating baseline and this tree ``--repeats`` times, and prints each one's median. ``offline`` first
+writes the target's features with ``cache-features`` and then trains from them (the target forward leaves the
+step). The loop times the target forward inside each step, so tokens/s and the target's share come from the same
 run; the figures are those of the second logging window (warm). Host timers: exact on CPU; on
 CUDA run with CUDA_LAUNCH_BLOCKING=1 for a meaningful split.
 """
@@ -138,7 +138,8 @@ def main() -> int:
             for repeat in range(args.repeats):
                 for name, tree in trees.items():  # alternated, so a drift in the machine's speed hits both
                     print(f"{family} {mode} ({name}, run {repeat + 1}): {steps} steps ...", flush=True)
-                    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+                    path = [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+                    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
                     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], check=False,
                                           capture_output=True, text=True, env=env)
                     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -222,7 +222,6 @@ def _fsdp_optimizer_state(step_module, optimizer) -> dict:
 
 
 def _load_fsdp_optimizer_state(step_module, optimizer, state: dict) -> None:
-
     set_optimizer_state_dict(step_module, _torch_optimizer(optimizer), optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))
 
