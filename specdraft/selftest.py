@@ -51,6 +51,7 @@ from safetensors.torch import load_file  # noqa: E402
 from .config import parse_recipe  # noqa: E402
 from .contract import FolderExporter  # noqa: E402
 from .decoding.rows import fresh_sources  # noqa: E402
+from .decoding.sources import static_cache_rolls_back  # noqa: E402
 from .decoding.speculative import speculative_decode_batch  # noqa: E402
 from .decoding.speculative import TreeDrafting, speculative_decode  # noqa: E402
 from .decoding.tree_verify import verify_tree_reference, verify_tree_triton  # noqa: E402
@@ -129,6 +130,9 @@ def environment(device) -> dict[str, str]:
                               "reference": "reference (pure torch)"}[backend]  # fmt: skip
     if device.type == "cpu" and _version("triton") != "not installed":
         info["verify backend"] += "; the kernels are checked here in Triton's interpreter"
+    info["compiled decoding"] = ("available (compile_target, compiled draft LMs)" if static_cache_rolls_back() else
+                                 "NOT available: transformers' StaticCache cannot roll back before 5.23 "
+                                 "(pip install -U 'transformers>=5.23')")  # fmt: skip
     return info
 
 
@@ -322,17 +326,7 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
         methods["EAGLE-2 tree"] = TreeDrafting(source, NAMED_TREES["eagle2-small"])
     elif "static" in source.capabilities.tree_kinds:
         methods["medusa-8 tree"] = TreeDrafting(source, NAMED_TREES["medusa-8"])
-    compile_modes = [False]
-    skipped = []
-    if drafter.needs.trains_adapters:
-        skipped.append("compile_target (refused by design for a target that trains adapters)")
-    elif setup.device.type == "cuda":
-        compile_modes.append("reduce-overhead")  # CUDA graphs
-    elif setup.quick:
-        skipped.append("compile_target (CPU compiles take minutes: run without --quick)")
-    else:
-        compile_modes.append(True)
-
+    compile_modes, skipped = decoding_compile_modes(setup, drafter.needs.trains_adapters)
     wrong, accepted, drafted = [], 0, 0
     for name, method in methods.items():
         for mode in compile_modes:
@@ -353,6 +347,19 @@ def check_decoding(setup: Setup, family: str, max_new_tokens: int) -> tuple[bool
     if wrong:
         return False, f"{len(wrong)} decodes differ from generate(): {'; '.join(wrong[:4])} ({detail})"
     return True, "identical to generate(): " + detail
+
+
+def decoding_compile_modes(setup: Setup, trains_adapters: bool) -> tuple[list[bool | str], list[str]]:
+    """The ``compile_target`` modes the decode check runs (eager always), and what it leaves out and why."""
+    if trains_adapters:
+        return [False], ["compile_target (refused by design for a target that trains adapters)"]
+    if not static_cache_rolls_back():  # the environment table says so too, with the fix
+        return [False], [f"compile_target (needs transformers >= 5.23, this is {_version('transformers')})"]
+    if setup.device.type == "cuda":
+        return [False, "reduce-overhead"], []  # CUDA graphs
+    if setup.quick:
+        return [False], ["compile_target (CPU compiles take minutes: run without --quick)"]
+    return [False, True], []
 
 
 def shared_decoding(setup: Setup):
@@ -519,10 +526,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer cases, steps and tokens (at most 2 minutes; what CI runs)")
+    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=None, metavar="FAMILY",
+                        help="train and decode these families only (default: every registered family)")
     parser.add_argument("--out", default="selftest", metavar="DIR",
                         help="where selftest.md / selftest.json and the scratch runs go (default: ./selftest)")
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = selftest(args.device, args.quick, args.out)
+    checks = selftest(args.device, args.quick, args.out, tuple(args.families) if args.families else None)
     return 1 if any(c.ok is False for c in checks) else 0

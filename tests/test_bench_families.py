@@ -154,6 +154,22 @@ def test_dflash_drafts_its_whole_block_beside_the_others_at_k_and_the_table_says
     assert (tmp_path / "eval" / "k-3" / "temperature-0").is_dir()
 
 
+def test_chain_k_evaluates_a_family_at_the_k_asked_for():
+    """--chain-k dflash=1: the K the verify-cost model recommends (issue 34), not the block's."""
+    from types import SimpleNamespace
+
+    from bench_eagle import K
+    from bench_families import chain_k, parse_chain_ks
+
+    dflash = SimpleNamespace(family="dflash", config=SimpleNamespace(block_size=8))
+    eagle3 = SimpleNamespace(family="eagle3", config=SimpleNamespace())
+    chosen = parse_chain_ks(["dflash=1"])
+    assert (chain_k(dflash), chain_k(dflash, chosen), chain_k(eagle3, chosen)) == (7, 1, K)
+    for bad in ("dflash", "dflash=0", "=2", "dflash=x"):
+        with pytest.raises(SystemExit, match="expected FAMILY=K"):
+            parse_chain_ks([bad])
+
+
 def test_a_run_trained_again_after_its_overrides_changed_replaces_its_stale_record(tmp_path):
     # The bench keeps bench_record.json in each run folder. When the stamp no longer matched, it retrained with
     # --overwrite, which refuses a folder holding a file specdraft did not write: every rerun with another budget

@@ -126,3 +126,35 @@ def test_an_out_path_through_a_file_names_the_fix(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(selftest_module.SpecdraftError, match="a-file/st, which cannot be written"):
         selftest_module.writable_folder(tmp_path / "a-file" / "st")
+
+
+def test_compiled_decoding_on_a_transformers_without_static_cache_rollback_is_reported_not_run(tmp_path,
+                                                                                              monkeypatch):
+    """The first GPU check (an H200 with transformers 5.17) failed every decode check: compile_target refuses a
+    StaticCache that cannot roll back. The eager decodes still run; compiled decoding is named as not run, with
+    the version, and the environment table names the fix."""
+    cuda = selftest_module.Setup(torch.device("cuda"), False, tmp_path)
+    assert selftest_module.decoding_compile_modes(cuda, False) == ([False, "reduce-overhead"], [])
+    monkeypatch.setattr(selftest_module, "static_cache_rolls_back", lambda: False)
+    modes, skipped = selftest_module.decoding_compile_modes(cuda, False)
+    assert modes == [False] and skipped == [f"compile_target (needs transformers >= 5.23, this is "
+                                            f"{selftest_module._version('transformers')})"]
+    env = selftest_module.environment(torch.device("cpu"))
+    assert env["compiled decoding"].startswith("NOT available") and "pip install -U 'transformers>=5.23'" in env[
+        "compiled decoding"]
+
+
+def test_families_limits_training_and_decoding_to_those_named(tmp_path, monkeypatch):
+    trained, decoded = [], []
+    monkeypatch.setattr(selftest_module, "check_verify_agreement", lambda setup, tree: (True, "fine"))
+    monkeypatch.setattr(selftest_module, "check_exactness", lambda setup: (True, "fine"))
+    monkeypatch.setattr(selftest_module, "check_verify_cost", lambda setup: (True, "fine", ""))
+    monkeypatch.setattr(selftest_module, "check_training", lambda setup, family, data: trained.append(family) or
+                        (True, "fine"))
+    monkeypatch.setattr(selftest_module, "check_decoding", lambda setup, family, tokens: decoded.append(family) or
+                        (True, "fine"))
+    assert main(["selftest", "--quick", "--device", "cpu", "--families", "medusa1", "dflash",
+                 "--out", str(tmp_path)]) == 0
+    assert trained == decoded == ["medusa1", "dflash"]
+    with pytest.raises(SystemExit):
+        main(["selftest", "--families", "eagle4", "--out", str(tmp_path)])

@@ -215,14 +215,19 @@ class DraftLMSource:
         return logits
 
 
+def static_cache_rolls_back() -> bool:
+    """Whether this transformers' ``StaticCache`` rolls back with ``crop``, which writes through a position counter
+    (``StaticLayer.cumulative_length``, transformers 5.23 and later): what every compiled decode needs."""
+    return "cumulative_length" in getattr(StaticLayer, "__annotations__", {})
+
+
 def check_static_cache() -> None:
-    """A compiled draft rolls its ``StaticCache`` back with ``crop``, which writes through a position counter
-    (``StaticLayer.cumulative_length``); transformers releases without it are refused, naming the fix."""
-    if "cumulative_length" not in getattr(StaticLayer, "__annotations__", {}):
+    """Refuse compiled decoding on a transformers whose ``StaticCache`` cannot roll back, naming the fix."""
+    if not static_cache_rolls_back():
         raise SpecdraftError(
-            f"compiling a draft LM needs a transformers whose StaticCache rolls back with crop() (5.23 or newer); "
-            f"this is "
-            f"{transformers.__version__}: pip install -U transformers, or leave compile off."
+            f"compiled decoding (compile_target, or a compiled draft LM) needs a transformers whose StaticCache "
+            f"rolls back with crop() (5.23 or newer); this is {transformers.__version__}: "
+            "pip install -U 'transformers>=5.23', or leave compile off."
         )
 
 
