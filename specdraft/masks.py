@@ -57,3 +57,18 @@ def rows_at(x: torch.Tensor, index: torch.Tensor, shift: int = 0) -> torch.Tenso
     """``x`` [B, L, ...] at the flat indices ``index`` (from ``counted_rows``) moved ``shift`` positions right
     within their rows: [n, ...]."""
     return x.reshape(-1, *x.shape[2:]).index_select(0, index + shift)
+
+
+def gathered_rows(select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a bool ``select`` [B, T]: ``rows`` [B, n], each row's selected positions in order, n the most any row
+    selects (one host sync; a row with fewer is filled with unselected positions, computed and never read), and
+    ``rank`` [B, T], a selected position's column in ``rows``."""
+    n = int(select.sum(1).max()) if select.numel() else 0  # the host sync
+    order = torch.argsort((~select).long(), dim=1, stable=True)  # the selected positions first, in order
+    return order[:, :n], select.long().cumsum(1) - 1
+
+
+def gathered_index(index: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
+    """Flat indices ``b * T + t`` (from ``counted_rows``) of selected positions -> their flat indices
+    ``b * n + rank[b, t]`` in the [B, n] layout of ``gathered_rows``."""
+    return index // rank.shape[1] * n + rank.reshape(-1)[index]

@@ -11,7 +11,7 @@ from specdraft import losses
 from specdraft.contract import TrainingContext
 from specdraft.drafters import get_family
 from specdraft.drafters.medusa import MedusaConfig
-from specdraft.drafters.mlp_speculator import MLPSpeculatorConfig, mlp_speculator_needs, stage2_batch
+from specdraft.drafters.mlp_speculator import MLPSpeculatorConfig, head_masks, mlp_speculator_needs, stage2_batch
 from specdraft.errors import SpecdraftError
 
 
@@ -80,9 +80,12 @@ def test_the_mlp_speculators_heads_compare_with_the_targets_distribution_of_the_
     monkeypatch.setitem(losses.DRAFTER_LOSSES, "tvd", lambda logits, p, mask: calls.append(p) or p.sum() * 0)
     drafter.compute_loss(batch, target.forward_batch(batch))
     p = torch.softmax(target(batch["input_ids"]).logits.float(), -1)
+    real = batch["attention_mask"].bool()
+    masks = head_masks(real, real & batch["loss_mask"].bool(), 3, batch.get("seq_ids"))
     assert len(calls) == 3
-    for i, head_p in enumerate(calls):
-        assert torch.allclose(head_p[:, : 12 - i - 1], p[:, i + 1 :], atol=1e-5), f"head {i}"
+    for i, (head_p, mask) in enumerate(zip(calls, masks)):  # the counted positions t only (b-major, in order)
+        where = mask.nonzero()
+        assert len(where) and torch.allclose(head_p, p[where[:, 0], where[:, 1] + i + 1], atol=1e-5), f"head {i}"
 
 
 def test_mlp_stage2_keeps_the_logits_the_generated_tokens_were_drawn_from():

@@ -835,3 +835,25 @@ def test_the_lm_head_runs_over_the_counted_rows_only_and_the_loss_is_unchanged(f
     assert gathered.keys() == {n for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
     for name, grad in gathered.items():
         assert_close(grad, drafter.trained_module().get_parameter(name).grad, what=name)
+
+
+def test_eagle3_runs_its_later_ttt_steps_only_where_a_later_step_counts():
+    # Issue 35: steps 1.. of the training-time test ran the draft layer over every position of the packed rows.
+    # Row i's later steps read only its own earlier steps and the step-0 keys, so they now run at the positions
+    # where some later step's loss counts (the same loss and gradients: the test above).
+    target = tiny_target()
+    drafter = build("eagle3", target, **FAMILY_CFG["eagle3"])
+    batch = packed_chat_batch()
+    seen = []
+    hook = drafter.midlayer.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape[:2])))
+    try:
+        drafter.compute_loss(batch, target.forward_batch(batch))
+    finally:
+        hook.remove()
+    ids, loss_mask, seq_ids = batch["input_ids"], batch["loss_mask"].bool(), batch["seq_ids"]
+    B, T = ids.shape
+    steps = FAMILY_CFG["eagle3"]["ttt_steps"]
+    later = [sum(any(i + k + 2 < T and loss_mask[b, i + k + 2] and seq_ids[b, i] == seq_ids[b, i + k + 2]
+                     for k in range(1, steps)) for i in range(T)) for b in range(B)]
+    assert seen == [(B, T)] + [(B, max(later))] * (steps - 1), (seen, later)
+    assert max(later) < 0.7 * T

@@ -31,11 +31,13 @@ from specdraft.drafters.mlp_speculator import (
     cut_prompts,
     head_masks,
     per_head_cross_entropy,
+    per_head_soft_loss,
     sample_continuations,
     stage2_batch,
     two_stage_lr_factor,
 )
 from specdraft.errors import SpecdraftError
+from specdraft.losses import DRAFTER_LOSSES
 from specdraft.target import FrozenTarget
 
 VOCAB = 256
@@ -862,3 +864,47 @@ def test_a_greedy_proposal_is_the_argmax_chain_and_forms_no_q():
     seq = torch.cat([ids[:, :9], proposal.tokens], dim=1)
     logits = drafter.speculator(final_hidden(target(seq)), seq)
     assert [int(logits[i][0, 7].argmax()) for i in range(3)] == proposal.tokens[0].tolist()
+
+
+@pytest.mark.parametrize("loss", ["ce", "tvd"])
+def test_the_heads_run_over_counted_positions_only_with_the_dense_loss_and_gradients(loss):
+    # Issue 35: every head's vocabulary projection (and the loss over the vocabulary) ran at every position of
+    # the packed rows, the prompts' tokens and the padding included. The states now run where some head counts
+    # and each head's projection where it counts: the same loss and gradients as the dense reference.
+    target = tiny_target()
+    drafter = speculator(target, n_predict=3, inner_dim=32, loss=loss)
+    T = 24
+    ids = random_ids(2, T, seed=5)
+    attention, loss_mask = torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long)
+    seq_ids = torch.full((2, T), -1)
+    for b, docs in enumerate([[(5, 7), (3, 7)], [(7, 11)]]):  # (prompt, answer) per packed conversation
+        start = 0
+        for d, (prompt, answer) in enumerate(docs):
+            end = start + prompt + answer
+            attention[b, start:end], loss_mask[b, start + prompt : end], seq_ids[b, start:end] = 1, 1, d
+            start = end
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "seq_ids": seq_ids}
+    out_target = target.forward_batch(batch, logits="full" if loss != "ce" else "none")
+    fed = []
+    hooks = [head.register_forward_hook(lambda module, args, out: fed.append(args[0][..., 0].numel()))
+             for head in drafter.speculator.head]
+    try:
+        out = drafter.compute_loss(batch, out_target)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out.loss.backward()
+    gathered = {n: p.grad.clone() for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+
+    masks = head_masks(attention.bool(), (attention & loss_mask).bool(), 3, seq_ids)
+    assert fed == [int(mask.sum()) for mask in masks] and sum(fed) < 0.6 * 3 * 2 * T  # rows the heads fed
+    logits = drafter.speculator(final_hidden(out_target), ids)
+    per_head = (per_head_cross_entropy(logits, ids, masks) if loss == "ce" else
+                per_head_soft_loss(logits, torch.softmax(out_target.logits.float(), -1), masks, DRAFTER_LOSSES[loss]))
+    dense = sum(per_head)
+    dense.backward()
+    assert_close(out.loss, dense)
+    assert gathered.keys() == {n for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
+    for name, grad in gathered.items():
+        assert_close(grad, drafter.trained_module().get_parameter(name).grad, what=name)

@@ -17,7 +17,9 @@ exactly what it sees when decoding, where step 0 is read from real features and 
 extend the KV cache; ``tests/test_eagle_decoding.py`` checks the two agree. The EAGLE-3 reference and
 SpecForge once also hid step-0 keys i-k+1..i from step k, which decoding does not do (EAGLE issue
 #247); both removed that shift (EAGLE 09b1628, SpecForge 7286dc5, PR #245), and at their HEADs they
-mask as specdraft does.
+mask as specdraft does. Row i's later steps read nothing of the other rows but the step-0 keys, so
+steps 1.. run only at the rows where some later step's loss counts (an answer token ahead), and every
+step's LM head and loss only at its counted rows; the references run both over every position.
 
 Loss: step k's soft cross-entropy against the target's distribution over the draft vocabulary,
 
@@ -56,6 +58,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
@@ -66,7 +69,7 @@ from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss
-from ..masks import block_causal_mask, counted_rows, rows_at, shift_left
+from ..masks import block_causal_mask, counted_rows, gathered_index, gathered_rows, rows_at, shift_left
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
@@ -266,17 +269,25 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         return self.draft_ids if self.needs.logits == "draft_rows" else None
 
     # -- training: the training-time test ---------------------------------------------------------
-    def unroll(self, features, ids, positions, mask0) -> list[torch.Tensor]:
+    def unroll(self, features, ids, positions, mask0, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The training-time test: step k's outputs [B, T, H] for k = 0..ttt_steps-1.
 
         Step k, row i reads t_{i+k+1} and the previous step's row i at RoPE position i + k, and
         attends the step-0 keys allowed by ``mask0`` plus row i's keys from steps 1..k: the references'
         mask [mask0 | I | ... | I] over the keys of every step, which ``TrainingTimeTestKeys`` computes
         exactly with one attention over the step-0 keys per step.
+
+        Row i's later steps read nothing of the other rows but their step-0 keys, so with ``rows`` [B, n]
+        (``masks.gathered_rows``) steps 1.. run at those positions only, and their outputs are [B, n, H].
         """
-        cache, hidden, outputs = TrainingTimeTestKeys(), self.draft_input(features), []
+        cache, hidden, outputs = TrainingTimeTestKeys(rows), self.draft_input(features), []
         for k in range(self.config.ttt_steps):
-            hidden = self.draft_step(hidden, shift_left(ids, k + 1), positions + k, cache, mask0)
+            tokens, at = shift_left(ids, k + 1), positions + k
+            if k > 0 and rows is not None:
+                if k == 1:
+                    hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+                tokens, at = tokens.gather(1, rows), at.gather(1, rows)
+            hidden = self.draft_step(hidden, tokens, at, cache, mask0)
             outputs.append(hidden)
         return outputs
 
@@ -297,20 +308,28 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         target_probs = draft_vocab_probs(target_out, self.draft_ids)
         in_vocab = label_in_draft_vocab(ids, self.t2d)
         mask0 = block_causal_mask(attention, seq_ids)  # step 0 sees what the target saw
-        steps = self.unroll(self.target_features(target_out), ids, positions, mask0)
         # Step k, row i predicts t_{i+k+2} ~ logits[:, i+k+1], weighted by loss_mask[:, i+k+2] (the loop's
         # loss_mask[:, 1:] convention). Rows 0..T-k-3 have a target.
         counted = []
-        for k in range(len(steps)):
+        for k in range(self.config.ttt_steps):
             rows = max(T - k - 2, 0)
             weight = loss_mask[:, k + 2 :] & in_vocab[:, k + 2 :] & attention[:, :rows] & attention[:, k + 2 :]
             if seq_ids is not None:  # packing: the predicted token must be in row i's document
                 weight = weight & (seq_ids[:, :rows] == seq_ids[:, k + 2 :])
             counted.append(weight)
-        # The LM head and the loss run over the counted rows only (not the prompts' tokens or the padding).
+        # Steps 1.. run only where a later step's loss counts, and the LM head and the loss only over the
+        # counted rows (not the prompts' tokens or the padding).
+        indices = counted_rows(counted, T)
+        rows = rank = None
+        if len(counted) > 1:
+            rows, rank = gathered_rows(torch.stack([F.pad(w, (0, T - w.shape[1])) for w in counted[1:]]).any(0))
+            if rows.shape[1] == 0:  # no later step counts anywhere: nothing to run them at
+                rows = None
+        steps = self.unroll(self.target_features(target_out), ids, positions, mask0, rows)
         losses, correct = [], []
-        for k, (hidden, weight, index) in enumerate(zip(steps, counted, counted_rows(counted, T))):
-            step_hidden, step_target = rows_at(hidden, index), rows_at(target_probs, index, shift=k + 1)
+        for k, (hidden, weight, index) in enumerate(zip(steps, counted, indices)):
+            step_rows = index if k == 0 or rows is None else gathered_index(index, rank, rows.shape[1])
+            step_hidden, step_target = rows_at(hidden, step_rows), rows_at(target_probs, index, shift=k + 1)
             every = torch.ones(index.shape, dtype=torch.bool, device=index.device)
             if self.config.checkpoint_logits and torch.is_grad_enabled():
                 step_loss, draft_top = checkpoint(self.step_loss, step_hidden, step_target, every, use_reentrant=False)

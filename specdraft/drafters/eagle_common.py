@@ -191,22 +191,28 @@ class TrainingTimeTestKeys:
     each step's keys as they were, for autograd.
     """
 
-    def __init__(self):
+    def __init__(self, rows: torch.Tensor | None = None):
+        self.rows = rows  # [B, n]: the positions steps 1..k run at (``masks.gathered_rows``); None: every one
         self.keys: torch.Tensor | None = None  # step 0's [B, h_kv, T, d]
         self.values: torch.Tensor | None = None
-        self.own_keys: list[torch.Tensor] = []  # steps 1..k, each [B, h_kv, T, d]: row i's keys at step j
+        self.own_keys: list[torch.Tensor] = []  # steps 1..k, each [B, h_kv, T or n, d]: row i's keys at step j
         self.own_values: list[torch.Tensor] = []
         self.padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # step 0's keys + the sink
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask0: torch.Tensor) -> torch.Tensor:
-        """This step's attention output [B, h, T, d]; ``mask0`` [B or 1, 1, T, T] is step 0's mask."""
+        """This step's attention output [B, h, T, d] (steps 1..k with ``rows``: [B, h, n, d]); ``mask0``
+        [B or 1, 1, T, T] is step 0's mask."""
         if self.keys is None:
             self.keys, self.values = k, v
             return attend(q, k, v, mask0)
         self.own_keys.append(k)
         self.own_values.append(v)
         if self.padded is None:  # step 0's keys and the sink, built once for steps 1..k
-            self.padded = sink_padded_keys(self.keys, self.values, mask0)
+            keys, values, mask = sink_padded_keys(self.keys, self.values, mask0)
+            if self.rows is not None:  # the queries are those rows' only: their rows of the mask
+                (B, n), width = self.rows.shape, mask.shape[-1]
+                mask = mask.expand(B, -1, -1, -1).gather(2, self.rows[:, None, :, None].expand(B, 1, n, width))
+            self.padded = keys, values, mask
         return attend_with_own_keys(q, *self.padded, torch.stack(self.own_keys, 3), torch.stack(self.own_values, 3))
 
 

@@ -76,6 +76,7 @@ from ..decoding.trees import check_tree_request, expand_static_tree
 from ..dtypes import export_dtype
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss, soft_cross_entropy
+from ..masks import counted_rows, rows_at
 from ..optim import make_scheduler, recipe_optimization
 from .folder import (
     check_same_target,
@@ -239,39 +240,40 @@ class MedusaDrafter(nn.Module):
 
     def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
         ids = batch["input_ids"]
+        B, T = ids.shape
         hidden = self.final_hidden(target_out)
-        logits_per_head, targets_per_head, correct, counted, in_top_k = [], [], [], [], []
-        for k, head in enumerate(self.heads):
-            offset = k + 2  # head k at position t predicts token t+k+2
-            rows = max(ids.shape[1] - offset, 0)
-            mask = predicted_positions(batch, offset)
+        if self.config.distill and target_out.logits is None:
+            raise SpecdraftError("distill: true trains on the target's logits, and the target computed none; "
+                                 "make the example with drafter.prepare (it asks for them)")
+        counted = []
+        for k in range(len(self.heads)):
+            mask = predicted_positions(batch, k + 2)  # head k at position t predicts token t+k+2
             if self.reduced:  # count only tokens the head can emit (as EAGLE-3 does)
-                mask = mask & self.t2d[ids[:, offset:]]
-            # Only the counted rows go through the head: the [rows, N] logits of padding and prompt
-            # tokens are never formed (boolean indexing costs one host sync per head, in training only).
-            logits = head(hidden[:, :rows][mask].to(head.lm_head.weight.dtype))  # [M, N]
+                mask = mask & self.t2d[ids[:, k + 2 :]]
+            counted.append(mask)
+        logits_per_head, targets_per_head, correct, in_top_k = [], [], [], []
+        # Only the counted rows go through the heads: the [rows, N] logits of padding and prompt tokens are never
+        # formed (their indices found in one host sync for every head, in training only).
+        for k, (head, mask, index) in enumerate(zip(self.heads, counted, counted_rows(counted, T))):
+            logits = head(rows_at(hidden, index).to(head.lm_head.weight.dtype))  # [M, N]
             if self.config.distill:
-                if target_out.logits is None:
-                    raise SpecdraftError("distill: true trains on the target's logits, and the target computed none; "
-                                         "make the example with drafter.prepare (it asks for them)")
                 # p(token t+k+2 | x_<=t+k+1): the target's logits at t+k+1, over the draft rows if reduced
-                teacher = target_out.logits[:, k + 1 : k + 1 + rows][mask]
+                teacher = rows_at(target_out.logits, index, shift=k + 1)
                 if self.reduced and target_out.vocab_rows is None:
                     teacher = teacher.index_select(-1, self.draft_ids)
                 target = torch.softmax(teacher.float(), dim=-1)
                 label = target.argmax(-1)  # what greedy verification would accept
             else:
-                label = ids[:, offset:][mask]
+                label = ids.reshape(-1)[index + k + 2]  # never past the row's end: the mask stops before it
                 if self.reduced:
                     label = self.target_to_draft[label]
                 target = label
             logits_per_head.append(logits)
             targets_per_head.append(target)
             with torch.no_grad():
-                hit = torch.zeros_like(mask)
-                hit[mask] = logits.argmax(-1) == label
-                correct.append(hit)
-                counted.append(mask)
+                hit = torch.zeros(B * T, dtype=torch.bool, device=ids.device)
+                hit[index] = logits.argmax(-1) == label
+                correct.append(hit.view(B, T)[:, : mask.shape[1]])
                 top_k = logits.topk(min(self.config.accuracy_top_k, logits.shape[-1]), dim=-1).indices
                 in_top_k.append((top_k == label[:, None]).any(-1).float().sum() / max(label.numel(), 1))
 

@@ -79,7 +79,7 @@ from ..decoding.sampling import SamplingParams, draw_drafts, logits_to_probs, sa
 from ..decoding.trees import check_tree_request, expand_static_tree
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss, masked_mean
-from ..masks import shift_left
+from ..masks import counted_rows, rows_at, shift_left
 from ..optim import make_scheduler, recipe_optimization
 from .folder import read_drafter_folder, write_drafter_folder
 
@@ -255,10 +255,14 @@ class SpeculatorHeads(nn.Module):
         state = hidden.to(self.proj[0].weight.dtype)
         return self.ln0(state) / math.sqrt(2) if self.ln0 is not None else state
 
+    def advance(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Head i's state: (s_i [..., D], x [...]) -> s_{i+1} [..., inner]."""
+        mixed = self.proj[i](state) + (self.emb_weight / self.state_weight) * self.emb[i](tokens)
+        return F.gelu(self.ln[i](mixed))
+
     def step(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Head i: (s_i [..., D], x [...]) -> (s_{i+1} [..., inner], logits [..., V])."""
-        mixed = self.proj[i](state) + (self.emb_weight / self.state_weight) * self.emb[i](tokens)
-        state = F.gelu(self.ln[i](mixed))
+        state = self.advance(i, state, tokens)
         return state, self.head[i](state)
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -268,6 +272,17 @@ class SpeculatorHeads(nn.Module):
         for i in range(self.n_predict):
             state, head_logits = self.step(i, state, shift_left(ids, i + 1))
             logits.append(head_logits)
+        return logits
+
+    def forward_at(self, hidden: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                   head_rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``forward``'s logits where they are counted only: the states run at ``rows`` (flat ``b * T + t``
+        indices: a position's states read nothing of the others), and head i's vocabulary projection at
+        ``head_rows[i]`` (indices into ``rows``): [len(head_rows[i]), V] per head."""
+        state, logits = self.input_state(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)), []
+        for i in range(self.n_predict):
+            state = self.advance(i, state, shift_left(ids, i + 1).reshape(-1).index_select(0, rows))
+            logits.append(self.head[i](state.index_select(0, head_rows[i])))
         return logits
 
 
@@ -299,13 +314,18 @@ def per_head_cross_entropy(logits: list[torch.Tensor], ids: torch.Tensor, masks:
     return losses
 
 
-def target_probs_of(target_out: TargetOutputs) -> torch.Tensor:
-    """The target's next-token distributions [B, T, V] (position t: of token t+1), for an acceptance-aimed loss."""
+def target_logits_of(target_out: TargetOutputs) -> torch.Tensor:
+    """The target's next-token logits [B, T, V] (position t: of token t+1), for an acceptance-aimed loss."""
     if target_out.logits is None or target_out.last_only:
         raise SpecdraftError("drafter.loss other than ce compares each head with the target's distribution, and these "
                              "target outputs have no logits at every position: make the example with drafter.prepare "
                              "(it asks for them), or rebuild the feature cache for this recipe")
-    return torch.softmax(target_out.logits.float(), dim=-1)
+    return target_out.logits
+
+
+def target_probs_of(target_out: TargetOutputs) -> torch.Tensor:
+    """The target's next-token distributions [B, T, V] (position t: of token t+1)."""
+    return torch.softmax(target_logits_of(target_out).float(), dim=-1)
 
 
 def per_head_soft_loss(logits: list[torch.Tensor], target_probs: torch.Tensor, masks: list[torch.Tensor],
@@ -517,14 +537,30 @@ class MLPSpeculator(nn.Module):
         ids, real = batch["input_ids"], batch["attention_mask"].bool()
         state_ok = batch["state_mask"].bool() if "state_mask" in batch else real
         masks = head_masks(state_ok, real & batch["loss_mask"].bool(), self.config.n_predict, batch.get("seq_ids"))
-        logits = self.speculator(final_hidden_of(target_out), ids)
+        # The heads run only where one of them counts, and each vocabulary projection and loss only where its
+        # head counts (the same loss as per_head_cross_entropy / per_head_soft_loss over every position).
+        B, T = ids.shape
+        anywhere = torch.stack(masks).any(0)
+        rows, *counted = counted_rows([anywhere, *masks], T)  # one host sync
+        rank = anywhere.reshape(-1).long().cumsum(0) - 1  # a counted position's row in `rows`
+        logits = self.speculator.forward_at(final_hidden_of(target_out), ids, rows, [rank[i] for i in counted])
+        labels = [ids.reshape(-1)[index + i + 2] for i, index in enumerate(counted)]  # never past a row's end
+        every = [torch.ones(index.shape, dtype=torch.bool, device=ids.device) for index in counted]
         if self.config.loss == "ce":
-            per_head = per_head_cross_entropy(logits, ids, masks)
+            per_head = [masked_mean(F.cross_entropy(head_logits.float(), label, reduction="none"), ones)
+                        for head_logits, label, ones in zip(logits, labels, every)]
         else:
-            per_head = per_head_soft_loss(logits, target_probs_of(target_out), masks, DRAFTER_LOSSES[self.config.loss])
+            teacher = target_logits_of(target_out)
+            per_head = [DRAFTER_LOSSES[self.config.loss](
+                head_logits, torch.softmax(rows_at(teacher, index, shift=i + 1).float(), dim=-1), ones)
+                for i, (head_logits, index, ones) in enumerate(zip(logits, counted, every))]
         loss = speculator_loss(per_head, self.config.weights)
         with torch.no_grad():
-            correct = [head_logits.argmax(-1) == shift_left(ids, i + 2) for i, head_logits in enumerate(logits)]
+            correct = []
+            for head_logits, label, index in zip(logits, labels, counted):
+                hit = torch.zeros(B * T, dtype=torch.bool, device=ids.device)
+                hit[index] = head_logits.argmax(-1) == label
+                correct.append(hit.view(B, T))
             metrics = chain_accuracy_metrics(correct, masks)
             metrics.update({f"loss_{i}": value.detach() for i, value in enumerate(per_head)})
             metrics["stage"] = torch.tensor(2.0 if "state_mask" in batch else 1.0, device=loss.device)
