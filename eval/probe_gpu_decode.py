@@ -5,8 +5,9 @@
 
 For each of: transformers' own decode loop (DynamicCache, one token per forward), specdraft's plain_decode (eager,
 and with CUDA graphs where transformers allows), and specdraft's prompt-lookup chain (K=5), three greedy decodes of one chat prompt, timed with the device synchronised;
-the SM clock (NVML, when present) is sampled through each. Then one plain decode through evaluate(), as the eval
-runs it. --profile prints torch.profiler's top operators of one
+the SM clock (NVML, when present) is sampled through each. Then, in bfloat16, plain decodes of one prompt against
+prompts of new lengths (with cuDNN's attention on and off: does a per-shape plan make a first decode slow?), and
+one plain decode through evaluate(), as the eval runs it. --profile prints torch.profiler's top operators of one
 plain decode, by CPU time and by device time. Prints a Markdown table: ms per target forward, and the median SM clock.
 """
 
@@ -115,6 +116,37 @@ def main() -> int:
         rows.append(f"| {name} | {statistics.median(forwards)} | {ms:.2f} | {clocks.median()} |")
         print(rows[-1], flush=True)
 
+    # The GPU check's eval decoded in bfloat16, each prompt and method meeting new (query, key) lengths. A backend
+    # that plans per shape (cuDNN's attention) pays that per step the first time: plain decoding, first on every
+    # prompt, would pay it all. bf16, three runs of one prompt (shapes seen) against three prompts of new lengths
+    # (shapes new), then the new lengths again with cuDNN's attention off.
+    bf16 = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="bfloat16", device=device)
+    fresh = iter(range(1, 1000))
+
+    def new_lengths() -> torch.Tensor:  # the ask behind a preamble of a length no run used yet
+        preamble = " ".join(["Please."] * next(fresh))
+        return torch.tensor([prompt_token_ids(bf16.tokenizer, Prompt("0", "probe", "code", "question",
+                                                                      [f"{preamble} {ask}"]))], device=device)
+
+    bf16_runs = {"bf16 plain_decode, one prompt (shapes seen)": lambda: ids,
+                 "bf16 plain_decode, a new prompt length each run (shapes new)": new_lengths}
+    if device.type == "cuda":
+        bf16_runs["bf16 plain_decode, new lengths, cuDNN attention off"] = new_lengths
+    for name, make_ids in bf16_runs.items():
+        torch.backends.cuda.enable_cudnn_sdp("cuDNN attention off" not in name)
+        plain_decode(bf16, ids, max_new_tokens=args.tokens)  # warm-up (the first prompt's shapes)
+        times = []
+        for _ in range(3):
+            run_ids = make_ids()
+            sync()
+            start = time.perf_counter()
+            out = plain_decode(bf16, run_ids, max_new_tokens=args.tokens)
+            sync()
+            times.append((time.perf_counter() - start) / (len(out.forwards) + 1))
+        rows.append(f"| {name} | {len(out.forwards) + 1} | {statistics.median(times) * 1e3:.2f} | - |")
+        print(rows[-1], flush=True)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+
     # The same plain decode through evaluate(), which the GPU check's eval used (it stops at the end of turn, so
     # its token count can be lower): its own clock per token, and the wall clock around the whole call.
     prompt = Prompt("0", "probe", "code", "question", [ask])
@@ -142,7 +174,7 @@ def main() -> int:
         if device.type == "cuda":
             print(table.table(sort_by="self_cuda_time_total", row_limit=15))
 
-    print(f"\n`python eval/probe_gpu_decode.py --device {args.device} --tokens {args.tokens}`: toy target, float32, "
+    print(f"\n`python eval/probe_gpu_decode.py --device {args.device} --tokens {args.tokens}`: toy target, float32 (bf16 where named), "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}\n")
     print("| decode | target forwards (prefill included) | ms per forward (median of 3) | SM clock MHz (median) |\n|---|---:|---:|---:|")
     print("\n".join(rows))
