@@ -305,7 +305,8 @@ def head_masks(state_ok: torch.Tensor, label_ok: torch.Tensor, n_predict: int,
 
 def per_head_cross_entropy(logits: list[torch.Tensor], ids: torch.Tensor, masks: list[torch.Tensor]) -> list[torch.Tensor]:
     """CE_i = mean over head i's counted positions t of -log p_i(x_{t+i+2}) (fms-fsdp's
-    CrossEntropyLoss on head i's predictions against input[:, i+2:])."""
+    CrossEntropyLoss on head i's predictions against input[:, i+2:]), over dense [B, T, V] logits: the
+    reference ``compute_loss``'s counted-rows form equals."""
     losses = []
     for i, (head_logits, mask) in enumerate(zip(logits, masks)):
         labels = shift_left(ids, i + 2)
@@ -323,15 +324,11 @@ def target_logits_of(target_out: TargetOutputs) -> torch.Tensor:
     return target_out.logits
 
 
-def target_probs_of(target_out: TargetOutputs) -> torch.Tensor:
-    """The target's next-token distributions [B, T, V] (position t: of token t+1)."""
-    return torch.softmax(target_logits_of(target_out).float(), dim=-1)
-
-
 def per_head_soft_loss(logits: list[torch.Tensor], target_probs: torch.Tensor, masks: list[torch.Tensor],
                        loss) -> list[torch.Tensor]:
     """Head i at t against the target's distribution of token t+i+2 (its logits at t+i+1), by ``loss``
-    (losses.DRAFTER_LOSSES): what an acceptance-aimed ``drafter.loss`` trains on, in place of the label's CE."""
+    (losses.DRAFTER_LOSSES): what an acceptance-aimed ``drafter.loss`` trains on, in place of the label's CE; over
+    dense logits, the reference ``compute_loss``'s counted-rows form equals."""
     return [loss(head_logits, F.pad(target_probs[:, i + 1 :], (0, 0, 0, i + 1)), mask)
             for i, (head_logits, mask) in enumerate(zip(logits, masks))]
 
