@@ -115,7 +115,7 @@ step install install  # a function runs in this shell: a PYTHONPATH it exports r
 step environment environment
 step selftest "$PY" -m specdraft selftest --device "$DEVICE" "${QUICK[@]}" --out "$OUT/selftest"
 step kernels "$PY" eval/bench_kernels.py --out "$OUT/kernels" "${KERNELS[@]}"
-step probe bash -c "\"$PY\" eval/probe_gpu_decode.py --device $DEVICE ${PROBE[*]} | tee \"$OUT/probe.md\""
+step probe bash -c "set -o pipefail; \"$PY\" eval/probe_gpu_decode.py --device $DEVICE ${PROBE[*]} | tee \"$OUT/probe.md\""
 step train train_throughput
 step launcher bash -c "cd eval && \"$PY\" fsdp_resume.py --work \"$OUT/fsdp-work\" ${FSDP[*]} | tee \"$OUT/launcher.md\""
 step decode bash -c "cd eval && \"$PY\" bench_train_and_decode.py --target toy --work \"$OUT/decode-work\" \
