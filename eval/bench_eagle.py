@@ -148,13 +148,44 @@ def train_all(target_dir: Path, data: list[str], work: Path, steps: dict, reuse:
 
 def eval_history(run_dir: Path) -> str:
     """Every periodic eval of a run, from its metrics.jsonl: how fast each drafter learns."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = {row["step"]: row for row in rows if "eval/acc_0" in row}  # the final eval repeats the last step
+    evals = eval_rows(run_dir)
     return ", ".join(f"{step}: {row['eval/acc_0']:.3f}" + (f" / {row['eval/sim_accept_len']:.2f}"
                      if "eval/sim_accept_len" in row else "")
                      # Medusa-2: how far the adapted target has moved from the original on the held-out answers
                      + (f" / KL {row['eval/kl_original_adapted']:.3f}" if "eval/kl_original_adapted" in row else "")
                      for step, row in evals.items())
+
+
+def eval_rows(run_dir: Path) -> dict[int, dict]:
+    """A run's periodic held-out evals from its metrics.jsonl, by step (the final eval repeats the last step)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows if "eval/acc_0" in row}
+
+
+def plot_learning_curves(runs: dict[str, Path], path: Path) -> None:
+    """Each run's held-out first-draft accuracy, and where it logs one its simulated acceptance length,
+    against the optimizer step: one line per run, one panel per metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {name: eval_rows(run_dir) for name, run_dir in runs.items()}
+    panels = [(key, label) for key, label in (("eval/acc_0", "held-out acc_0 (first draft = target's top-1)"),
+                                              ("eval/sim_accept_len", "held-out simulated acceptance length"))
+              if any(key in row for rows in curves.values() for row in rows.values())]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for name, rows in curves.items():
+            points = [(step, row[key]) for step, row in rows.items() if key in row]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set(xlabel="optimizer step", ylabel=label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def draft_vocab_coverage(drafter, target_dir: Path, tokenizer) -> float:

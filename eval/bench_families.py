@@ -24,8 +24,9 @@
                the run's own verify cost, and the one from the proposals actually made, each forward priced
                on this device's measured verify-cost curve (specdraft/evaluation/verify_cost.py).
 
-Writes WORK/results.json, WORK/report.md, WORK/tau_by_category.png and the eval reports per
-temperature (with acceptance-by-position plots), and prints the Markdown.
+Writes WORK/results.json, WORK/report.md, WORK/tau_by_category.png, WORK/learning_curves.png (each family's
+held-out acc_0 against step) and the eval reports per temperature (with acceptance-by-position plots), and
+prints the Markdown.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_eagle import K, eval_history, evaluate_at_temperatures, markdown_table, spawned_workers
+from bench_eagle import (K, eval_history, evaluate_at_temperatures, markdown_table, plot_learning_curves,
+                         spawned_workers)
 
 from specdraft.decoding.sampling import SamplingParams
 from specdraft.drafters import FAMILIES, load_drafter
@@ -495,6 +497,8 @@ def main() -> None:
                 for batch in args.batch_sizes}
     results = by_batch[args.batch_sizes[0]]
     plot_tau_by_category(results, work / "tau_by_category.png")
+    plot_learning_curves({family: Path(run["drafter"]).parent for family, run in trained.items()},
+                         work / "learning_curves.png")
     adapted_by_batch, reports = {}, {}
     for family in sorted(adapting):
         own, drafter = loaded[family]
@@ -537,7 +541,8 @@ def main() -> None:
             for f, runs in adapted_by_batch.items()},
         "drift": reports}, indent=1))
     print("\n" + markdown)
-    print(f"\nwrote {work / 'report.md'}, {work / 'results.json'}, {work / 'tau_by_category.png'}")
+    print(f"\nwrote {work / 'report.md'}, {work / 'results.json'}, {work / 'tau_by_category.png'}, "
+          f"{work / 'learning_curves.png'}")
 
 
 if __name__ == "__main__":

@@ -190,3 +190,21 @@ def test_a_run_trained_again_after_its_overrides_changed_replaces_its_stale_reco
     assert first["steps"] == 1 and again["reused"]
     assert longer["steps"] == 2 and "reused" not in longer
     assert json.loads((run / "bench_record.json").read_text())["steps"] == 2
+
+
+def test_the_learning_curves_plot_each_runs_held_out_evals_by_step(tmp_path):
+    """Training rows and the final eval's repeat of the last step are not points of the curve."""
+    from bench_eagle import eval_rows, plot_learning_curves
+
+    runs = {}
+    for name, accs in (("eagle3", (0.1, 0.2, 0.3)), ("medusa1", (0.05, 0.1, 0.15))):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        rows = [{"step": 10, "train/acc_0": 0.9, "train/loss": 5.0}]
+        rows += [{"step": 10 * (i + 1), "eval/acc_0": acc, "eval/sim_accept_len": 2 * acc} for i, acc in enumerate(accs)]
+        rows.append({"step": 30, "eval/acc_0": accs[-1], "eval/sim_accept_len": 2 * accs[-1]})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        runs[name] = run_dir
+    assert {step: row["eval/acc_0"] for step, row in eval_rows(runs["eagle3"]).items()} == {10: 0.1, 20: 0.2, 30: 0.3}
+    plot_learning_curves(runs, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
