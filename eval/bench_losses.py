@@ -4,9 +4,10 @@
 
   1. data      as eval/bench_families.py: the target's own answers to the training prompts (cached), and to a
                held-out slice (the runs' held-out loss); eval prompts from Spec-Bench's questions.
-  2. train     recipes/<target>-<family>.yaml once per loss (losses.DRAFTER_LOSSES: ce, tvd, lk_alpha,
-               lk_hybrid), the same init, data and steps, each in a fresh 1-thread process. Medusa-1 trains
-               on soft labels (drafter.distill=true) in every cell, ce included, so only the loss differs.
+  2. train     recipes/<target>-<family>.yaml once per loss (--losses, default every one of
+               losses.DRAFTER_LOSSES: ce, tvd, lk_alpha, lk_hybrid), the same init, data and steps, each in
+               a fresh 1-thread process. Medusa-1 trains on soft labels (drafter.distill=true) in every
+               cell, ce included, so only the loss differs.
   3. evaluate  one `evaluate` per temperature (0 and 1), every run plus prompt lookup, chain K=5: tau and
                alpha measured; the winner per family and temperature is printed.
 
@@ -33,12 +34,12 @@ FAMILIES = ("eagle3", "eagle1", "medusa1", "mlp_speculator")
 FAMILY_OVERRIDES = {"medusa1": ["drafter.distill=true"]}
 
 
-def grid_table(results: dict, families: list[str]) -> str:
+def grid_table(results: dict, families: list[str], losses: list[str]) -> str:
     """family x loss: tau (alpha measured) per temperature."""
     lines = ["| family | loss | " + " | ".join(f"T={t:g}" for t in results) + " |",
              "|---|---" + "|---:" * len(results) + "|"]
     for family in families:
-        for loss in DRAFTER_LOSSES:
+        for loss in losses:
             cells = []
             for result in results.values():
                 overall = result["methods"].get(f"{family}-{loss}", {}).get("overall")
@@ -52,6 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_grid_arguments(parser, work="bench-losses", steps=150)
     parser.add_argument("--families", nargs="+", default=["eagle3", "eagle1"], choices=FAMILIES)
+    parser.add_argument("--losses", nargs="+", default=list(DRAFTER_LOSSES), choices=list(DRAFTER_LOSSES),
+                        help="the drafter.loss values to train (default: every one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -64,7 +67,7 @@ def main() -> None:
         recipe = recipe_for(prefix, family)
         if recipe is None:
             sys.exit(f"no recipe for {family} on {args.target}: add recipes/{prefix}-{family}.yaml")
-        for loss in DRAFTER_LOSSES:
+        for loss in args.losses:
             runs[f"{family}-{loss}"] = (family, recipe, data.overrides + FAMILY_OVERRIDES.get(family, []) +
                                         [f"drafter.loss={loss}"])
     trained = train_runs(runs, work, args.train_jobs, [data.answers, data.heldout_answers])
@@ -78,12 +81,12 @@ def main() -> None:
     lines = [(f"## drafter.loss on {args.target} ({len(fits)} prompts from {data.source}, K={K}, {args.steps} "
               f"steps per run, max {args.max_new_tokens} new tokens, float32, 1 thread)"), "",
              f"`python {' '.join(sys.argv)}`", "", f"answers: {data.answer_record}", "",
-             "### tau (alpha measured)", "", grid_table(results, args.families), ""]
+             "### tau (alpha measured)", "", grid_table(results, args.families, args.losses), ""]
     winners = {}
     for temperature, result in results.items():
         for family in args.families:
             taus = {loss: result["methods"][f"{family}-{loss}"]["overall"]["acceptance_length"] or 0
-                    for loss in DRAFTER_LOSSES}
+                    for loss in args.losses}
             best = max(taus, key=taus.get)
             winners[f"{family} T={temperature:g}"] = best
             lines.append(f"**{family}, T={temperature:g}: {best}** (tau {taus[best]:.3f}; "
