@@ -37,6 +37,7 @@ from bench_families import (
     RECIPE_PREFIX,
     add_grid_arguments,
     grid_data,
+    overrides_for,
     recipe_for,
     train_runs,
 )
@@ -223,7 +224,8 @@ def main() -> None:
     data = grid_data(args, target_dir, work)
     answers, heldout_answers, answer_record = data.answers, data.heldout_answers, data.answer_record
     eval_prompts, source = data.eval_prompts, data.source
-    grid = {name: ("distillspec", recipe, data.overrides + cell) for name, cell in cells().items()}
+    grid = {name: ("distillspec", recipe, overrides_for("distillspec", data.overrides) + cell)
+            for name, cell in cells().items()}
     if args.assisted_only:
         name = args.assisted_only
         if name == "winner":

@@ -103,7 +103,8 @@ def add_grid_arguments(parser, work: str, steps: int) -> None:
     parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--per-category", type=int, default=2, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=steps, help="every run's optimizer steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for every run, or FAMILY:KEY=VALUE for one family's")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from bench_eagle import K, evaluate_at_temperatures, markdown_table
-from bench_families import RECIPE_PREFIX, add_grid_arguments, grid_data, recipe_for, train_runs
+from bench_families import RECIPE_PREFIX, add_grid_arguments, grid_data, overrides_for, recipe_for, train_runs
 
 from specdraft.drafters import load_drafter
 from specdraft.evaluation.suites import prompt_token_ids
@@ -32,6 +32,14 @@ from specdraft.target import FrozenTarget, resolve_target_path
 
 FAMILIES = ("eagle3", "eagle1", "medusa1", "mlp_speculator")
 FAMILY_OVERRIDES = {"medusa1": ["drafter.distill=true"]}
+
+
+def grid_runs(recipes: dict[str, Path], losses: list[str], overrides: list[str]) -> dict[str, tuple[str, Path, list]]:
+    """FAMILY-LOSS -> (family, recipe, overrides): the overrides for every run and those for the family
+    (``--set FAMILY:KEY=VALUE``), the family's own (Medusa-1's soft labels), then the loss."""
+    return {f"{family}-{loss}": (family, recipe, overrides_for(family, overrides) + FAMILY_OVERRIDES.get(family, [])
+                                 + [f"drafter.loss={loss}"])
+            for family, recipe in recipes.items() for loss in losses}
 
 
 def grid_table(results: dict, families: list[str], losses: list[str]) -> str:
@@ -62,14 +70,11 @@ def main() -> None:
     target_dir = Path(resolve_target_path(args.target, "float32"))
     prefix = RECIPE_PREFIX.get(args.target, target_dir.name)
     data = grid_data(args, target_dir, work)
-    runs = {}
-    for family in args.families:
-        recipe = recipe_for(prefix, family)
+    recipes = {family: recipe_for(prefix, family) for family in args.families}
+    for family, recipe in recipes.items():
         if recipe is None:
             sys.exit(f"no recipe for {family} on {args.target}: add recipes/{prefix}-{family}.yaml")
-        for loss in args.losses:
-            runs[f"{family}-{loss}"] = (family, recipe, data.overrides + FAMILY_OVERRIDES.get(family, []) +
-                                        [f"drafter.loss={loss}"])
+    runs = grid_runs(recipes, args.losses, data.overrides)
     trained = train_runs(runs, work, args.train_jobs, [data.answers, data.heldout_answers])
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")

@@ -208,3 +208,15 @@ def test_the_learning_curves_plot_each_runs_held_out_evals_by_step(tmp_path):
     assert {step: row["eval/acc_0"] for step, row in eval_rows(runs["eagle3"]).items()} == {10: 0.1, 20: 0.2, 30: 0.3}
     plot_learning_curves(runs, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_loss_grid_gives_each_family_its_own_overrides_and_each_run_its_loss():
+    from bench_losses import grid_runs
+
+    runs = grid_runs({"eagle3": Path("e3.yaml"), "medusa1": Path("m1.yaml")}, ["ce", "tvd"],
+                     ["training.max_steps=30", "eagle3:optimizer.warmup_steps=3", "medusa1:drafter.warmup_ratio=0.2"])
+    assert sorted(runs) == ["eagle3-ce", "eagle3-tvd", "medusa1-ce", "medusa1-tvd"]
+    assert runs["eagle3-tvd"] == ("eagle3", Path("e3.yaml"),
+                                  ["training.max_steps=30", "optimizer.warmup_steps=3", "drafter.loss=tvd"])
+    assert runs["medusa1-ce"] == ("medusa1", Path("m1.yaml"), ["training.max_steps=30", "drafter.warmup_ratio=0.2",
+                                                                "drafter.distill=true", "drafter.loss=ce"])
