@@ -201,7 +201,8 @@ def test_the_learning_curves_plot_each_runs_held_out_evals_by_step(tmp_path):
         run_dir = tmp_path / name
         run_dir.mkdir()
         rows = [{"step": 10, "train/acc_0": 0.9, "train/loss": 5.0}]
-        rows += [{"step": 10 * (i + 1), "eval/acc_0": acc, "eval/sim_accept_len": 2 * acc} for i, acc in enumerate(accs)]
+        rows += [{"step": 10 * (i + 1), "eval/acc_0": acc, "eval/sim_accept_len": 2 * acc}
+                 for i, acc in enumerate(accs)]
         rows.append({"step": 30, "eval/acc_0": accs[-1], "eval/sim_accept_len": 2 * accs[-1]})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         runs[name] = run_dir
