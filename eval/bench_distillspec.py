@@ -36,6 +36,7 @@ from bench_eagle import K, evaluate_at_temperatures, evaluate_temperatures_side_
 from bench_families import (
     RECIPE_PREFIX,
     add_grid_arguments,
+    fitting_prompts,
     grid_data,
     overrides_for,
     recipe_for,
@@ -189,11 +190,6 @@ def assisted_against_specdraft(target, student, prompts, max_new_tokens: int) ->
                 for name in target_calls}}
 
 
-def fitting_prompts(target, prompts, max_new_tokens: int) -> list:
-    return [p for p in prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * max_new_tokens
-            < target.config.max_position_embeddings]
-
-
 def assisted_only(work: Path, target_dir: Path, eval_prompts, max_new_tokens: int, folder: Path, name: str) -> None:
     """Step 4 alone, on one student: writes WORK/assisted-<name>.json."""
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
@@ -207,8 +203,6 @@ def assisted_only(work: Path, target_dir: Path, eval_prompts, max_new_tokens: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_grid_arguments(parser, work="bench-distillspec", steps=100)
-    parser.add_argument("--eval-jobs", type=int, default=1, choices=(1, 2),
-                        help="2: evaluate the two temperatures side by side, a process each")
     parser.add_argument("--skip-assisted", action="store_true", help="steps 1-3 only (step 4: --assisted-only)")
     parser.add_argument("--assisted-only", nargs="?", const="winner", default=None, metavar="CELL",
                         help="only step 4, on CELL (trained here if WORK holds no current run of it), or on the T=0 "

@@ -90,6 +90,12 @@ def prompt_sets(args) -> tuple[list[dict], list[dict], list[Prompt], str]:
     return toy_prompts("train", args.num_train_prompts), heldout, prompts, "the standard library (fallback)"
 
 
+def fitting_prompts(target, prompts: list[Prompt], max_new_tokens: int) -> list[Prompt]:
+    """The prompts whose tokens and two turns' answers fit the target's context."""
+    return [p for p in prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * max_new_tokens
+            < target.config.max_position_embeddings]
+
+
 def add_grid_arguments(parser, work: str, steps: int) -> None:
     """The arguments of a grid benchmark on the toy-sized defaults (eval/bench_distillspec.py, bench_losses.py):
     where the prompts come from, how many, the target's answers, the eval and the training budget."""
@@ -107,6 +113,8 @@ def add_grid_arguments(parser, work: str, steps: int) -> None:
                         help="a recipe override for every run, or FAMILY:KEY=VALUE for one family's")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--train-jobs", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--eval-jobs", type=int, default=1, choices=(1, 2),
+                        help="2: evaluate the two temperatures side by side, a process each")
 
 
 def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
@@ -464,8 +472,7 @@ def main() -> None:
     trained = train_all(families, prefix, overrides, work, args.train_jobs, [answers, heldout_answers])
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")  # each loaded drafter adds what it reads
-    fits = [p for p in eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens
-            < target.config.max_position_embeddings]  # two turns' answers must fit too
+    fits = fitting_prompts(target, eval_prompts, args.max_new_tokens)
     if len(fits) < len(eval_prompts):
         print(f"leaving out {len(eval_prompts) - len(fits)} eval prompts longer than the target's context")
     eval_prompts = fits

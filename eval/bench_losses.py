@@ -8,8 +8,9 @@
                losses.DRAFTER_LOSSES: ce, tvd, lk_alpha, lk_hybrid), the same init, data and steps, each in
                a fresh 1-thread process. Medusa-1 trains on soft labels (drafter.distill=true) in every
                cell, ce included, so only the loss differs.
-  3. evaluate  one `evaluate` per temperature (0 and 1), every run plus prompt lookup, chain K=5: tau and
-               alpha measured; the winner per family and temperature is printed.
+  3. evaluate  one `evaluate` per temperature (0 and 1; --eval-jobs 2 runs the two side by side, a process
+               each), every run plus prompt lookup, chain K=5: tau and alpha measured; the winner per
+               family and temperature is printed.
 
 Writes WORK/results.json and WORK/report.md, and prints the Markdown.
 """
@@ -22,11 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_eagle import K, evaluate_at_temperatures, markdown_table
-from bench_families import RECIPE_PREFIX, add_grid_arguments, grid_data, overrides_for, recipe_for, train_runs
+from bench_eagle import K, evaluate_at_temperatures, evaluate_temperatures_side_by_side, markdown_table
+from bench_families import (RECIPE_PREFIX, add_grid_arguments, fitting_prompts, grid_data, overrides_for,
+                            recipe_for, train_runs)
 
 from specdraft.drafters import load_drafter
-from specdraft.evaluation.suites import prompt_token_ids
 from specdraft.losses import DRAFTER_LOSSES
 from specdraft.target import FrozenTarget, resolve_target_path
 
@@ -78,10 +79,13 @@ def main() -> None:
     trained = train_runs(runs, work, args.train_jobs, [data.answers, data.heldout_answers])
 
     target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
-    fits = [p for p in data.eval_prompts if len(prompt_token_ids(target.tokenizer, p)) + 2 * args.max_new_tokens
-            < target.config.max_position_embeddings]
-    drafters = {name: load_drafter(Path(run["drafter"]), target).eval() for name, run in trained.items()}
-    results = evaluate_at_temperatures(target, drafters, fits, args.max_new_tokens, work / "eval")
+    fits = fitting_prompts(target, data.eval_prompts, args.max_new_tokens)
+    folders = {name: Path(run["drafter"]) for name, run in trained.items()}
+    if args.eval_jobs == 2:
+        results = evaluate_temperatures_side_by_side(target_dir, folders, fits, args.max_new_tokens, work / "eval")
+    else:
+        drafters = {name: load_drafter(folder, target).eval() for name, folder in folders.items()}
+        results = evaluate_at_temperatures(target, drafters, fits, args.max_new_tokens, work / "eval")
 
     lines = [(f"## drafter.loss on {args.target} ({len(fits)} prompts from {data.source}, K={K}, {args.steps} "
               f"steps per run, max {args.max_new_tokens} new tokens, float32, 1 thread)"), "",
