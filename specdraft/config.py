@@ -39,6 +39,9 @@ class TargetConfig:
     taps: list[int] | str = "auto"
     trust_remote_code: bool = False
     attn_implementation: str | None = None
+    # Recompute the target's layer activations in the backward pass instead of keeping them, for a family that
+    # backpropagates through the target (Medusa-2's adapters): about one more target forward per step.
+    gradient_checkpointing: bool = False
 
 
 @dataclass

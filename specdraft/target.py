@@ -26,7 +26,7 @@ from .errors import SpecdraftError
 from .masks import block_causal_mask
 from .named_targets import NAMED_TARGETS, materialize
 from .toy_target import toy_target_path
-from .transformers_compat import cache_kwargs
+from .transformers_compat import cache_kwargs, enable_activation_checkpointing
 
 
 def resolve_target_path(path: str, dtype: str = "float32") -> str:
@@ -253,6 +253,18 @@ class FrozenTarget(nn.Module):
                 aux_hidden=torch.cat([captured[t] for t in self.needs.taps], dim=-1) if self.needs.taps else None,
                 taps=self.needs.taps,
             )
+
+    def checkpoint_activations(self) -> None:
+        """Keep only each decoder layer's input for the backward pass, and recompute the rest there
+        (transformers' gradient checkpointing, non-reentrant): for a family that backpropagates through the
+        target (``needs.trains_adapters``), whose activations are the step's largest memory. It acts only in
+        train mode, so decoding and held-out evals run as before."""
+        if not self.needs.trains_adapters:
+            raise SpecdraftError(
+                "target.gradient_checkpointing recomputes the target's activations in the backward pass, and this "
+                "drafter runs the target without autograd (only a family that trains adapters inside it, "
+                "such as medusa2, backpropagates through it). Remove target.gradient_checkpointing from the recipe.")
+        enable_activation_checkpointing(self.model)
 
     def forward_batch(self, batch: dict[str, torch.Tensor], logits: str = "full",
                       rows: torch.Tensor | None = None) -> TargetOutputs:

@@ -207,6 +207,8 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     target = load_target(recipe, accelerator.device, needs)
     train_ds, eval_ds = build_datasets(recipe.data, target.tokenizer)
     drafter = family.build(target, recipe.drafter, _draft_vocab(recipe, family, target, train_ds))
+    if recipe.target.gradient_checkpointing:
+        target.checkpoint_activations()
     caches = open_feature_caches(recipe, target, needs)
     collate = Collator(pad_token_id_of(target.tokenizer), recipe.data.max_length, recipe.data.packing)
     if caches is not None:  # offline mode: batches carry sample indices to find their cached features

@@ -185,6 +185,45 @@ def test_a_medusa2_step_never_holds_vocabulary_wide_logits_for_more_than_a_chunk
     assert 0 < largest.rows <= 4
 
 
+def saved_bytes_and_grads(checkpointed: bool) -> tuple[int, torch.Tensor, dict]:
+    """One joint training step of an adapted drafter in train mode (LoRA dropout on): the bytes autograd saved
+    for the backward pass, the loss, and every trained tensor's gradient."""
+    torch.manual_seed(0)  # the same heads, and then the same dropout masks, in both runs
+    target, drafter = adapted_drafter(lora_dropout=0.1)
+    if checkpointed:
+        target.checkpoint_activations()
+    drafter.train()
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        example = drafter.prepare(packed_batch(), TrainingContext(target, step=0))
+        out = drafter.compute_loss(example.batch, example.target)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in drafter.trained_module().named_parameters() if p.grad is not None}
+    return sum(saved), out.loss.detach(), grads
+
+
+def test_gradient_checkpointing_keeps_fewer_activations_for_the_same_loss_and_gradients():
+    """target.gradient_checkpointing: the adapted target's layers keep their inputs only and recompute the rest
+    in the backward pass (with the same dropout masks), so the step is the same and saves less."""
+    plain_bytes, plain_loss, plain_grads = saved_bytes_and_grads(checkpointed=False)
+    checkpointed_bytes, loss, grads = saved_bytes_and_grads(checkpointed=True)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+    assert sorted(grads) == sorted(plain_grads) and any("lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert checkpointed_bytes < 0.6 * plain_bytes, (checkpointed_bytes, plain_bytes)
+
+
+def test_gradient_checkpointing_on_a_target_that_runs_without_autograd_is_refused_naming_the_fix():
+    with pytest.raises(SpecdraftError, match="Remove target.gradient_checkpointing"):
+        tiny_target().checkpoint_activations()
+
+
 # -- real runs ------------------------------------------------------------------------------------------------
 
 STEPS, SAVE_EVERY, JOINT_FROM, KILL_AT_STEP = 10, 4, 3, 7

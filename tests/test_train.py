@@ -451,3 +451,13 @@ def test_train_options_may_come_before_or_after_the_recipe_and_its_overrides(mon
     (args,) = seen
     assert (args.recipe, args.overrides) == ("r.yaml", ["training.max_steps=3", "data.path=a.jsonl"])
     assert args.overwrite and args.no_progress and not args.resume
+
+
+def test_gradient_checkpointing_a_target_the_drafter_runs_without_autograd_is_refused_before_training(
+        tmp_path, target_dir, data):
+    raw = make_recipe(tmp_path, target_dir, data)
+    raw["target"]["gradient_checkpointing"] = True
+    recipe = parse_recipe(raw)
+    with pytest.raises(SpecdraftError, match="runs the target without autograd.*Remove target.gradient_checkpointing"):
+        train(recipe, show_progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
