@@ -156,31 +156,41 @@ def eval_history(run_dir: Path) -> str:
                      for step, row in evals.items())
 
 
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def eval_rows(run_dir: Path) -> dict[int, dict]:
     """A run's periodic held-out evals from its metrics.jsonl, by step (the final eval repeats the last step)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows if "eval/acc_0" in row}
+    return {row["step"]: row for row in metric_rows(run_dir) if "eval/acc_0" in row}
 
 
 def plot_learning_curves(runs: dict[str, Path], path: Path) -> None:
     """Each run's held-out first-draft accuracy, and where it logs one its simulated acceptance length,
-    against the optimizer step: one line per run, one panel per metric."""
+    against the tokens it had trained on (``train/tokens_seen``; the optimizer step for a run that did not
+    log them): one line per run, one panel per metric."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = {name: eval_rows(run_dir) for name, run_dir in runs.items()}
+    curves, seen = {}, {}
+    for name, run_dir in runs.items():
+        rows = metric_rows(run_dir)
+        curves[name] = {row["step"]: row for row in rows if "eval/acc_0" in row}
+        seen[name] = {row["step"]: row["train/tokens_seen"] for row in rows if "train/tokens_seen" in row}
+    by_tokens = all(set(curves[name]) <= set(seen[name]) for name in runs)
     panels = [(key, label) for key, label in (("eval/acc_0", "held-out acc_0 (first draft = target's top-1)"),
                                               ("eval/sim_accept_len", "held-out simulated acceptance length"))
               if any(key in row for rows in curves.values() for row in rows.values())]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
         for name, rows in curves.items():
-            points = [(step, row[key]) for step, row in rows.items() if key in row]
+            points = [(seen[name][step] / 1e3 if by_tokens else step, row[key])
+                      for step, row in rows.items() if key in row]
             if points:
                 ax.plot(*zip(*points), marker="o", label=name)
-        ax.set(xlabel="optimizer step", ylabel=label)
+        ax.set(xlabel="thousands of tokens trained on" if by_tokens else "optimizer step", ylabel=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

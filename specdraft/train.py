@@ -414,6 +414,7 @@ def log_train(run: Run, window: LogWindow, prepare_seconds: float) -> dict[str, 
     elapsed = max(time.perf_counter() - window.started, 1e-9)
     logs = {f"train/{k}": v for k, v in reduced.items() if not k.startswith("_")}
     logs["train/tokens_per_s"] = reduced["_tokens"] * run.accelerator.num_processes / elapsed
+    logs["train/tokens_seen"] = float(run.state.tokens)  # so far, every process's: a learning curve's x-axis
     # The share of the step spent making examples (the target forward, or generation).
     logs["train/target_fraction"] = reduced["_prepare_seconds"] / elapsed
     logs["train/lr"] = run.scheduler.get_last_lr()[0]

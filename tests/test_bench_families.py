@@ -192,7 +192,7 @@ def test_a_run_trained_again_after_its_overrides_changed_replaces_its_stale_reco
     assert json.loads((run / "bench_record.json").read_text())["steps"] == 2
 
 
-def test_the_learning_curves_plot_each_runs_held_out_evals_by_step(tmp_path):
+def test_the_learning_curves_plot_each_runs_held_out_evals_by_step(tmp_path, monkeypatch):
     """Training rows and the final eval's repeat of the last step are not points of the curve."""
     from bench_eagle import eval_rows, plot_learning_curves
 
@@ -207,8 +207,21 @@ def test_the_learning_curves_plot_each_runs_held_out_evals_by_step(tmp_path):
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         runs[name] = run_dir
     assert {step: row["eval/acc_0"] for step, row in eval_rows(runs["eagle3"]).items()} == {10: 0.1, 20: 0.2, 30: 0.3}
+    plotted = []
+    monkeypatch.setattr("matplotlib.axes.Axes.plot", lambda self, *xy, **kw: plotted.append((kw["label"], *xy)))
     plot_learning_curves(runs, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # acc_0 then sim_accept_len, against the optimizer step: these runs logged no tokens seen
+    assert plotted[0] == ("eagle3", (10, 20, 30), (0.1, 0.2, 0.3))
+    assert plotted[2][:2] == ("eagle3", (10, 20, 30)) and len(plotted) == 4
+
+    for name, run_dir in runs.items():  # with train/tokens_seen at every eval step: against thousands of tokens
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": 10 * (i + 1), "train/tokens_seen": 1500.0 * (i + 1)}) + "\n"
+                         for i in range(3))
+    plotted.clear()
+    plot_learning_curves(runs, tmp_path / "curves.png")
+    assert plotted[0] == ("eagle3", (1.5, 3.0, 4.5), (0.1, 0.2, 0.3))
 
 
 def test_the_loss_grid_gives_each_family_its_own_overrides_and_each_run_its_loss():

@@ -461,3 +461,13 @@ def test_gradient_checkpointing_a_target_the_drafter_runs_without_autograd_is_re
     with pytest.raises(SpecdraftError, match="runs the target without autograd.*Remove target.gradient_checkpointing"):
         train(recipe, show_progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_every_log_line_counts_the_tokens_seen_so_far(tmp_path, target_dir, data):
+    recipe = parse_recipe(make_recipe(tmp_path, target_dir, data, training={"max_steps": 4, "grad_accumulation": 1}))
+    train(recipe, show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    seen = [row["train/tokens_seen"] for row in rows if "train/tokens_seen" in row]
+    assert len(seen) == 4 and all(a < b for a, b in zip(seen, seen[1:]))
+    state = json.loads((checkpoint_dirs(tmp_path / "run")[-1] / "trainer_state.json").read_text())
+    assert seen[-1] == state["run"]["tokens"] > 0
