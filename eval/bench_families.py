@@ -25,8 +25,8 @@
                on this device's measured verify-cost curve (specdraft/evaluation/verify_cost.py).
 
 Writes WORK/results.json, WORK/report.md, WORK/tau_by_category.png, WORK/learning_curves.png (each family's
-held-out acc_0 against the tokens it trained on) and the eval reports per temperature (with acceptance-by-position plots), and
-prints the Markdown.
+held-out acc_0 against the tokens it trained on) and the eval reports per temperature (with
+acceptance-by-position plots), and prints the Markdown.
 """
 
 from __future__ import annotations

@@ -35,11 +35,11 @@ FAMILIES = ("eagle3", "eagle1", "medusa1", "mlp_speculator")
 FAMILY_OVERRIDES = {"medusa1": ["drafter.distill=true"]}
 
 
-def grid_runs(recipes: dict[str, Path], losses: list[str], overrides: list[str]) -> dict[str, tuple[str, Path, list]]:
+def grid_runs(recipes: dict[str, Path], losses: list[str], overrides: list[str]) -> dict[str, tuple]:
     """FAMILY-LOSS -> (family, recipe, overrides): the overrides for every run and those for the family
     (``--set FAMILY:KEY=VALUE``), the family's own (Medusa-1's soft labels), then the loss."""
-    return {f"{family}-{loss}": (family, recipe, overrides_for(family, overrides) + FAMILY_OVERRIDES.get(family, [])
-                                 + [f"drafter.loss={loss}"])
+    return {f"{family}-{loss}": (family, recipe, [*overrides_for(family, overrides), *FAMILY_OVERRIDES.get(family, []),
+                                                  f"drafter.loss={loss}"])
             for family, recipe in recipes.items() for loss in losses}
 
 

@@ -23,7 +23,8 @@ def cache_kwargs(module, cache) -> dict:
 
 def enable_activation_checkpointing(model) -> None:
     """Non-reentrant activation checkpointing of every decoder layer, by the method ``model``'s release has:
-    ``activation_checkpointing_enable`` (5.24 on), else ``gradient_checkpointing_enable``."""
+    ``activation_checkpointing_enable`` (newer releases, 5.24 among them), else ``gradient_checkpointing_enable``
+    (5.17, for one)."""
     enable = getattr(type(model), "activation_checkpointing_enable", None)
     if enable is not None:
         enable(model, activation_checkpointing_kwargs={"use_reentrant": False})
