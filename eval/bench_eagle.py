@@ -160,9 +160,13 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def evals_in(rows: list[dict]) -> dict[int, dict]:
+    """The periodic held-out evals among metrics.jsonl's rows, by step (the final eval repeats the last step)."""
+    return {row["step"]: row for row in rows if "eval/acc_0" in row}
+
+
 def eval_rows(run_dir: Path) -> dict[int, dict]:
-    """A run's periodic held-out evals from its metrics.jsonl, by step (the final eval repeats the last step)."""
-    return {row["step"]: row for row in metric_rows(run_dir) if "eval/acc_0" in row}
+    return evals_in(metric_rows(run_dir))
 
 
 def plot_learning_curves(runs: dict[str, Path], path: Path) -> None:
@@ -177,7 +181,7 @@ def plot_learning_curves(runs: dict[str, Path], path: Path) -> None:
     curves, seen = {}, {}
     for name, run_dir in runs.items():
         rows = metric_rows(run_dir)
-        curves[name] = {row["step"]: row for row in rows if "eval/acc_0" in row}
+        curves[name] = evals_in(rows)
         seen[name] = {row["step"]: row["train/tokens_seen"] for row in rows if "train/tokens_seen" in row}
     by_tokens = all(set(curves[name]) <= set(seen[name]) for name in runs)
     panels = [(key, label) for key, label in (("eval/acc_0", "held-out acc_0 (first draft = target's top-1)"),
