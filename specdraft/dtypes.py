@@ -22,3 +22,32 @@ def export_dtype(saved: dict, tensors: dict) -> str:
     tc = saved.get("target_config") or {}
     floating = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     return tc.get("dtype") or tc.get("torch_dtype") or str(floating).removeprefix("torch.")
+
+
+MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}  # accelerate's names
+
+
+def cpu_computes_natively(name: str | torch.dtype) -> bool:
+    """Whether this CPU has hardware for ``name``'s matmuls, by oneDNN's own check (AVX512-BF16 or AMX on
+    x86, BF16 or FP16 on Arm). Without it torch runs bf16 and fp16 matmuls in scalar fallback code: on an
+    AVX2-only CPU (2026-11-27, eval/README.md "Half precision on a CPU without hardware for it"), a bf16
+    matmul took 60x the float32 one and greedy generation 2.2x."""
+    dtype = resolve_dtype(name)
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def slow_cpu_dtype_warning(settings: dict[str, str | torch.dtype], fix: str) -> str | None:
+    """A warning naming ``fix`` when some of ``settings`` (name -> dtype) ask a CPU for a half precision it
+    has no hardware for (``cpu_computes_natively``), else None."""
+    slow = {key: str(resolve_dtype(value)).removeprefix("torch.") for key, value in settings.items()
+            if not cpu_computes_natively(value)}
+    if not slow:
+        return None
+    asked = ", ".join(f"{key} {dtype}" for key, dtype in slow.items())
+    return (f"{asked}: this CPU has no hardware for {' or '.join(sorted(set(slow.values())))} matmuls, so torch "
+            f"emulates them, many times slower than float32 (60x for a bf16 matmul on an AVX2 CPU). "
+            f"Use float32 here: {fix}")

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import load_recipe
 from .data.regenerate import regenerate
-from .dtypes import resolve_dtype
+from .dtypes import cpu_computes_natively, resolve_dtype
 from .errors import SpecdraftError
 from .evaluation.suites import load_suite
 from .export import export
@@ -75,6 +75,15 @@ def prompts_from_file(path: Path, train: int, heldout: int) -> tuple[list[dict],
     return prompts[:train], prompts[len(prompts) - heldout:]
 
 
+def precision_here(dtype: str) -> tuple[str, list[str]]:
+    """(the dtype to answer and train in, the recipe overrides for it): the recipe's ``dtype``, or float32 on a
+    CPU with no hardware for it, where the SmolLM2 recipe's bf16 would take many times as long (AVX2 only)."""
+    if torch.cuda.is_available() or cpu_computes_natively(dtype):
+        return dtype, []
+    print(f"this CPU has no hardware for {dtype} matmuls: the quickstart answers and trains in float32")
+    return "float32", ["target.dtype=float32", "training.mixed_precision='no'"]
+
+
 def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_prompts: int | None, overwrite: bool,
                heldout_answers: int = HELDOUT_ANSWERS, target: str = "toy", prompts_file: Path | None = None) -> Path:
     if target not in QUICKSTART_TARGETS:
@@ -89,7 +98,8 @@ def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_pro
         # The toy target is tiny, and OpenMP threads that find a core busy spin: with one other
         # busy process on 2 cores, 2 threads decoded at 43 ms/token against 4.8 ms with 1.
         torch.set_num_threads(1)
-    dtype = yaml.safe_load(recipe_file.read_text())["target"]["dtype"]  # answers in the dtype training reads
+    # answers in the dtype training reads
+    dtype, precision = precision_here(yaml.safe_load(recipe_file.read_text())["target"]["dtype"])
     target_dir = Path(resolve_target_path(target, dtype))
     print(f"[1/5] target {target}: {target_dir}")
 
@@ -113,7 +123,7 @@ def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_pro
 
     overrides = [f"target.path={target}", f"data.path={data / 'answers.jsonl'}",
                  f"data.eval_path={data / 'heldout_answers.jsonl'}", f"checkpoint.output_dir={out / 'run'}",
-                 f"eval.prompts={eval_prompts_file}", f"eval.num_prompts={eval_prompts}"]
+                 f"eval.prompts={eval_prompts_file}", f"eval.num_prompts={eval_prompts}", *precision]
     if steps:
         overrides.append(f"training.max_steps={steps}")
     recipe = load_recipe(recipe_file, overrides)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from .data.vocab import build_draft_vocab
 from .decoding.sampling import SamplingParams
 from .decoding.sources import PromptLookupSource
 from .drafters import get_family, load_drafter
-from .dtypes import resolve_dtype
+from .dtypes import MIXED_PRECISION_DTYPES, resolve_dtype, slow_cpu_dtype_warning
 from .errors import SpecdraftError
 from .evaluation.report import format_table
 from .evaluation.run import EvalSettings, evaluate, family_report
@@ -200,6 +201,12 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     )
     load_models_whole(accelerator)
     check_fsdp(accelerator)
+    if accelerator.device.type == "cpu":
+        slow = slow_cpu_dtype_warning({"target.dtype": recipe.target.dtype,
+                                       "training.mixed_precision": MIXED_PRECISION_DTYPES[tcfg.mixed_precision]},
+                                      "target.dtype=float32 training.mixed_precision='no'")
+        if slow:
+            warnings.warn(slow, stacklevel=2)
     if resume:  # the process count and the kind of run, known now: before the target loads
         check_resumable(accelerator, checkpoint_dirs(run_dir)[-1])
     set_seed(tcfg.seed)

@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from specdraft import quickstart as quickstart_module
+from specdraft.config import load_recipe
 from specdraft.errors import SpecdraftError
 from specdraft.quickstart import quickstart
 from specdraft.toy_target import heldout_prompt_sets, toy_prompts
@@ -74,3 +76,17 @@ def test_prompts_from_a_file_split_into_disjoint_training_and_held_out_sets(tmp_
     assert prompts_from_file(path, 6, 3) == (train, heldout)  # a seeded shuffle: the same split every run
     with pytest.raises(SpecdraftError, match="has 10 prompts; .* ask for 11"):
         prompts_from_file(path, 8, 3)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+def test_the_quickstart_answers_and_trains_in_float32_on_a_cpu_that_would_emulate_bf16(monkeypatch, capsys, native):
+    monkeypatch.setattr(quickstart_module, "cpu_computes_natively", lambda name: native)
+    monkeypatch.setattr(quickstart_module.torch.cuda, "is_available", lambda: False)
+    dtype, overrides = quickstart_module.precision_here("bfloat16")
+    recipe = load_recipe(quickstart_module.RECIPES_DIR / "smollm2-135m-eagle3.yaml", overrides)
+    if native:
+        assert (dtype, overrides) == ("bfloat16", [])
+        assert (recipe.target.dtype, recipe.training.mixed_precision) == ("bfloat16", "bf16")
+    else:
+        assert dtype == "float32" and "answers and trains in float32" in capsys.readouterr().out
+        assert (recipe.target.dtype, recipe.training.mixed_precision) == ("float32", "no")

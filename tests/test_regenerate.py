@@ -5,6 +5,7 @@ import pytest
 import torch
 from tiny import save_tiny_target, tiny_llama, tiny_tokenizer
 
+from specdraft import dtypes
 from specdraft.data import regenerate as regen
 from specdraft.data.chat import render
 from specdraft.data.regenerate import generate_batch, read_done, regenerate, sidecar_of
@@ -192,3 +193,21 @@ def test_left_padding_matches_unpadded_generation(model, tokenizer):
     alone = [generate_batch(model, tokenizer, [p], temperature=0.0, max_new_tokens=MAX_NEW)[0] for p in prompts]
     assert together == alone
     assert torch.get_default_dtype() == torch.float32  # the float64 model did not leak a global setting
+
+
+def test_cli_warns_when_the_cpu_would_emulate_the_dtype_asked_for(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(dtypes, "cpu_computes_natively", lambda name: name in ("float32", torch.float32))
+    target = save_tiny_target(tmp_path / "target")
+    data = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 0, "turns": ["Hi"]}])
+    parser = argparse.ArgumentParser()
+    regen.add_arguments(parser)
+    for dtype, warned in (("bfloat16", True), ("float32", False)):
+        caplog.clear()
+        args = parser.parse_args(["--target", str(target), "--data", str(data), "--max-new-tokens", "2",
+                                  "--out", str(tmp_path / f"{dtype}.jsonl"), "--dtype", dtype])
+        assert regen.run(args) == 0
+        warnings = [r.getMessage() for r in caplog.records if "no hardware" in r.getMessage()]
+        assert len(warnings) == warned, (dtype, warnings)
+        if warned:
+            assert warnings[0].startswith("--dtype bfloat16: this CPU has no hardware for bfloat16 matmuls")
+            assert warnings[0].endswith("Use float32 here: --dtype float32 (or auto)")

@@ -158,3 +158,13 @@ def test_families_limits_training_and_decoding_to_those_named(tmp_path, monkeypa
     assert trained == decoded == ["medusa1", "dflash"]
     with pytest.raises(SystemExit):
         main(["selftest", "--families", "eagle4", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+def test_the_environment_says_whether_this_cpu_has_hardware_for_bf16(monkeypatch, native):
+    monkeypatch.setattr(selftest_module, "cpu_computes_natively", lambda name: native)
+    bf16 = selftest_module.environment(torch.device("cpu"))["bf16"]
+    if native:
+        assert bf16.startswith("native on this CPU")
+    else:
+        assert bf16.startswith("emulated on this CPU") and "target.dtype=float32 training.mixed_precision='no'" in bf16

@@ -3,6 +3,7 @@
 import errno
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import probe_family  # noqa: F401  (registers the "probe" family)
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from specdraft import checkpoint as ckpt_module
+from specdraft import dtypes
 from specdraft import train as train_module
 from specdraft.checkpoint import checkpoint_dirs, find_drafter_dir
 from specdraft.config import parse_recipe
@@ -471,3 +473,30 @@ def test_every_log_line_counts_the_tokens_seen_so_far(tmp_path, target_dir, data
     assert len(seen) == 4 and all(a < b for a, b in zip(seen, seen[1:]))
     state = json.loads((checkpoint_dirs(tmp_path / "run")[-1] / "trainer_state.json").read_text())
     assert seen[-1] == state["run"]["tokens"] > 0
+
+
+class TargetLoadReached(Exception):
+    pass
+
+
+def stop_at_target_load(*args, **kwargs):
+    raise TargetLoadReached
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+def test_half_precision_a_cpu_would_emulate_is_warned_about_with_the_fix(tmp_path, target_dir, data, monkeypatch,
+                                                                         fresh_accelerate_state, native):
+    # An AVX2-only CPU (no AVX512-BF16 or AMX) runs bf16 matmuls about 60x slower than float32.
+    monkeypatch.setattr(dtypes, "cpu_computes_natively", lambda name: native or name in ("float32", torch.float32))
+    monkeypatch.setattr(train_module, "load_target", stop_at_target_load)  # the warning comes before the target
+    raw = make_recipe(tmp_path, target_dir, data, training={"mixed_precision": "bf16"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TargetLoadReached):
+            train(parse_recipe(raw), show_progress=False)
+    about = [str(w.message) for w in caught if "no hardware" in str(w.message)]
+    if native:
+        assert about == []
+    else:
+        assert len(about) == 1 and about[0].startswith("training.mixed_precision bfloat16: this CPU has no hardware")
+        assert "target.dtype=float32 training.mixed_precision='no'" in about[0]

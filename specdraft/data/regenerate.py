@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from ..dtypes import resolve_dtype
+from ..dtypes import resolve_dtype, slow_cpu_dtype_warning
 from ..errors import SpecdraftError
 from ..features import weights_fingerprint
 from ..target import resolve_target_path
@@ -364,6 +364,9 @@ def run(args: argparse.Namespace) -> int:
     check_paths(args.data, Path(args.out))  # before the target loads
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    slow = slow_cpu_dtype_warning({"--dtype": dtype}, "--dtype float32 (or auto)") if device == "cpu" else None
+    if slow:
+        logger.warning(slow)
     path = resolve_target_path(args.target, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
