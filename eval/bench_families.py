@@ -129,6 +129,7 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdraft.data.regenerate import id_field_of, read_done, regenerate
+    from specdraft.dtypes import slow_cpu_dtype_warning
 
     everything, selected = work / "data" / f"{name}.all.jsonl", work / "data" / f"{name}.jsonl"
     stamp = {"target": str(target_dir.resolve()), "weights": (target_dir / "model.safetensors").stat().st_mtime,
@@ -147,6 +148,10 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     todo = [p for p in prompts if p[id_field] not in answered]
     record = saved.get("record", {})
     if todo:
+        on_cpu = (device or "cpu") == "cpu"
+        slow = slow_cpu_dtype_warning({"--answer-dtype": dtype}, "--answer-dtype float32") if on_cpu else None
+        if slow:
+            print(f"warning: {slow}")
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype)).to(device or "cpu")
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         started = time.perf_counter()

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 from bench_families import overrides_for
@@ -234,3 +235,20 @@ def test_the_loss_grid_gives_each_family_its_own_overrides_and_each_run_its_loss
                                   ["training.max_steps=30", "optimizer.warmup_steps=3", "drafter.loss=tvd"])
     assert runs["medusa1-ce"] == ("medusa1", Path("m1.yaml"), ["training.max_steps=30", "drafter.warmup_ratio=0.2",
                                                                 "drafter.distill=true", "drafter.loss=ce"])
+
+
+@pytest.mark.parametrize("dtype, warned", [("bfloat16", True), ("float32", False)])
+def test_answers_in_a_half_precision_this_cpu_emulates_warn_with_the_flag_to_change(tmp_path, monkeypatch, capsys,
+                                                                                     dtype, warned):
+    from bench_families import target_answers
+    from tiny import save_tiny_target
+
+    from specdraft import dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_computes_natively", lambda name: name in ("float32", torch.float32))
+    target = save_tiny_target(tmp_path / "target")
+    answers, _ = target_answers(target, tmp_path / "work", "answers", [{"id": "a", "turns": ["Hi"]}], 2, dtype)
+    assert len(answers.read_text().splitlines()) == 1
+    out = capsys.readouterr().out
+    assert ("warning: --answer-dtype bfloat16: this CPU has no hardware" in out) == warned
+    assert ("Use float32 here: --answer-dtype float32" in out) == warned
