@@ -33,6 +33,8 @@ def cpu_computes_natively(name: str | torch.dtype) -> bool:
     AVX2-only CPU (eval/README.md, "Half precision on a CPU without hardware for it"), SmolLM2's bf16 matmuls
     took 28x as long as float32's, its greedy generation 3.2x and its training step 18x."""
     dtype = resolve_dtype(name)
+    if dtype != torch.float32 and not torch.backends.mkldnn.is_available():
+        return False  # a torch built without oneDNN has only the fallback kernels
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:
