@@ -25,6 +25,7 @@ def export_dtype(saved: dict, tensors: dict) -> str:
 
 
 MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}  # accelerate's names
+FLOAT32_OVERRIDES = ("target.dtype=float32", "training.mixed_precision='no'")  # a recipe in float32 throughout
 
 
 def cpu_computes_natively(name: str | torch.dtype) -> bool:

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import load_recipe
 from .data.regenerate import regenerate
-from .dtypes import cpu_computes_natively, resolve_dtype
+from .dtypes import FLOAT32_OVERRIDES, cpu_computes_natively, resolve_dtype
 from .errors import SpecdraftError
 from .evaluation.suites import load_suite
 from .export import export
@@ -81,7 +81,7 @@ def precision_here(dtype: str) -> tuple[str, list[str]]:
     if torch.cuda.is_available() or cpu_computes_natively(dtype):
         return dtype, []
     print(f"this CPU has no hardware for {dtype} matmuls: the quickstart answers and trains in float32")
-    return "float32", ["target.dtype=float32", "training.mixed_precision='no'"]
+    return "float32", list(FLOAT32_OVERRIDES)
 
 
 def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_prompts: int | None, overwrite: bool,

@@ -58,7 +58,7 @@ from .decoding.tree_verify import verify_tree_reference, verify_tree_triton  # n
 from .decoding.trees import NAMED_TREES  # noqa: E402
 from .decoding.verify import resolve_verify_backend, verify_reference, verify_triton  # noqa: E402
 from .drafters import FAMILIES, load_drafter  # noqa: E402
-from .dtypes import cpu_computes_natively  # noqa: E402
+from .dtypes import FLOAT32_OVERRIDES, cpu_computes_natively  # noqa: E402
 from .errors import SpecdraftError  # noqa: E402
 from .evaluation.suites import Prompt, prompt_token_ids  # noqa: E402
 from .evaluation.verify_cost import format_curve, measure_forward_costs  # noqa: E402
@@ -127,7 +127,7 @@ def environment(device) -> dict[str, str]:
         info["GPU"] = "none" if not torch.cuda.is_available() else f"{torch.cuda.get_device_name()} (not used)"
         info["bf16"] = ("native on this CPU (the selftest still runs float32 here)" if cpu_computes_natively("bfloat16")
                         else "emulated on this CPU, many times slower than float32: train bf16 recipes here with "
-                             "target.dtype=float32 training.mixed_precision='no'")
+                             + " ".join(FLOAT32_OVERRIDES))
     backend = resolve_verify_backend("auto", device)
     info["verify backend"] = {"triton": "triton (compiled kernels)",
                               "reference": "reference (pure torch)"}[backend]  # fmt: skip

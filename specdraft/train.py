@@ -46,7 +46,7 @@ from .data.vocab import build_draft_vocab
 from .decoding.sampling import SamplingParams
 from .decoding.sources import PromptLookupSource
 from .drafters import get_family, load_drafter
-from .dtypes import MIXED_PRECISION_DTYPES, resolve_dtype, slow_cpu_dtype_warning
+from .dtypes import FLOAT32_OVERRIDES, MIXED_PRECISION_DTYPES, resolve_dtype, slow_cpu_dtype_warning
 from .errors import SpecdraftError
 from .evaluation.report import format_table
 from .evaluation.run import EvalSettings, evaluate, family_report
@@ -204,7 +204,7 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     if accelerator.device.type == "cpu":
         slow = slow_cpu_dtype_warning({"target.dtype": recipe.target.dtype,
                                        "training.mixed_precision": MIXED_PRECISION_DTYPES[tcfg.mixed_precision]},
-                                      "target.dtype=float32 training.mixed_precision='no'")
+                                      " ".join(FLOAT32_OVERRIDES))
         if slow:
             warnings.warn(slow, stacklevel=2)
     if resume:  # the process count and the kind of run, known now: before the target loads
