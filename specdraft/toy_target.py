@@ -15,6 +15,7 @@ import hashlib
 import json
 import pathlib
 import random
+import re
 import sysconfig
 import textwrap
 
@@ -74,12 +75,30 @@ def list_source_files(stdlib_dir: pathlib.Path | None = None) -> dict[str, str]:
     return files
 
 
+# A line and its end, as the parser splits source: \r\n, \r or \n end a line; a form feed does not.
+SOURCE_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """``ast.get_source_segment(text, node, padded=True)`` on ``lines = SOURCE_LINE.findall(text)``, split once
+    per file: the stdlib's version splits the whole file again, character by character, for every node, which
+    made building the toy's prompts take minutes (a file's definitions cost its length times their number)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    start, end = node.col_offset, node.end_col_offset  # byte offsets into the UTF-8 line
+    if first == last:
+        return lines[first].encode()[start:end].decode()
+    head = lines[first].encode()
+    padding = "".join(c if c in "\f\t" else " " for c in head[:start].decode())
+    return "".join([padding + head[start:].decode(), *lines[first + 1 : last], lines[last].encode()[:end].decode()])
+
+
 def definition_prompts(rel: str, text: str) -> list[tuple[str, str]]:
     """(user prompt, dedented source) for each function, class and method in a file."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return []  # lib2to3 grammar fixtures and the like
+    lines = SOURCE_LINE.findall(text)
     pairs = []
 
     def visit(nodes, owner):
@@ -88,7 +107,7 @@ def definition_prompts(rel: str, text: str) -> list[tuple[str, str]]:
                 continue
             kind = "class" if isinstance(node, ast.ClassDef) else ("method" if owner else "function")
             name = f"{owner}.{node.name}" if owner else node.name
-            source = ast.get_source_segment(text, node, padded=True)
+            source = source_segment(lines, node)
             if source:
                 prompt = f"Write the {kind} `{name}` in `{rel}`."
                 doc = ast.get_docstring(node)

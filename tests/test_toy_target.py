@@ -36,7 +36,7 @@ from specdraft.toy_build.unlikelihood import (
     sample_windows,
     unlikelihood_loss,
 )
-from specdraft.toy_target import is_heldout, list_source_files, toy_target_path
+from specdraft.toy_target import SOURCE_LINE, is_heldout, list_source_files, source_segment, toy_target_path
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 TINY = ToyRecipe(
@@ -351,3 +351,37 @@ def test_the_build_tools_stay_out_of_the_products_import_graph():
             "print(sorted(m for m in sys.modules if m.startswith('specdraft.toy_build')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+ODD_SOURCE = (
+    "class Café:\r\n"
+    "    \"\"\"ünïcode before the offsets, which count bytes\"\"\"\r\n"
+    "    def m(self): return 'é'\r\n"
+    "class T:\n"
+    "\f\tdef tabbed(self,\r"
+    "\t          x):\r"
+    "\t\treturn x\n"
+    "\n"
+    "async def f(a,\n"
+    "            b):  # ends without a newline\n"
+    "    return {'ß': a}"
+)
+
+
+@pytest.mark.parametrize("name, text", [("odd", ODD_SOURCE), ("tokenize.py", None), ("dataclasses.py", None)])
+def test_a_definitions_source_is_what_the_stdlib_cuts_from_the_file(name, text):
+    """definition_prompts cuts each definition from lines split once per file (the stdlib's
+    ``ast.get_source_segment`` splits the file again per node: minutes over the stdlib). The same text for every
+    definition, on a source with \\r\\n, \\r and \\n endings, a form feed, tabs, multi-byte characters before the
+    byte offsets and no final newline, and on two stdlib files."""
+    import ast
+
+    if text is None:
+        text = (pathlib.Path(sysconfig.get_paths()["stdlib"]) / name).read_text(encoding="utf-8")
+    lines = SOURCE_LINE.findall(text)
+    assert "".join(lines) == text
+    nodes = [node for node in ast.walk(ast.parse(text))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    assert len(nodes) >= 4
+    for node in nodes:
+        assert source_segment(lines, node) == ast.get_source_segment(text, node, padded=True), node.name
