@@ -377,7 +377,7 @@ def test_a_definitions_source_is_what_the_stdlib_cuts_from_the_file(name, text):
     import ast
 
     if text is None:
-        text = (pathlib.Path(sysconfig.get_paths()["stdlib"]) / name).read_text(encoding="utf-8")
+        text = (STDLIB / name).read_text(encoding="utf-8")
     lines = SOURCE_LINE.findall(text)
     assert "".join(lines) == text
     nodes = [node for node in ast.walk(ast.parse(text))
