@@ -6,7 +6,10 @@ answers, it prints:
   - the same loss with the target's injected features zeroed, and with the anchor token replaced by MASK
     (how much each input moves the predictions);
   - the gradient norm per parameter group at that first step;
-  - the argmax the block predicts most often, and how often it is the anchor token or the MASK token.
+  - the argmax the block predicts most often, and how often it is the anchor token or the MASK token;
+  - where each draft layer's attention goes from the block's draft slots: the share on the block's own anchor
+    slot, on the last context position (the target's state just before the anchor) and on the rest, against
+    the share uniform attention over the same visible keys would give.
 
     python eval/probe_dflash_init.py --recipe recipes/smollm2-135m-dflash.yaml --data ANSWERS.jsonl --rows 8
 
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import specdraft.drafters.dflash as dflash_module
 from specdraft.contract import TrainingContext
 from specdraft.drafters import load_drafter
 from specdraft.drafters.dflash import DFlashConfig, build_dflash
@@ -55,6 +59,52 @@ def answer_rows(tokenizer, path: Path, rows: int, max_length: int) -> dict[str, 
 
 def per_position(out, block_size: int) -> str:
     return " ".join(f"{out.metrics[f'loss_{j}'].item():.2f}" for j in range(block_size - 1))
+
+
+def attention_shares(drafter, compute_loss) -> list[dict[str, tuple[float, float]]]:
+    """Per draft layer: {where: (measured share, uniform share)} of the draft slots' (1..bs-1) attention, over
+    one ``compute_loss`` call. Each block's anchor slot is key S + n * bs; its last context key is the highest
+    context key its mask shows (the position before the anchor)."""
+    bs, captured = drafter.config.block_size, []
+
+    def attend_and_keep(q, k, v, mask):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        captured.append((weights.detach(), mask.detach()))
+        return weights @ v
+
+    real = dflash_module.attend
+    dflash_module.attend = attend_and_keep
+    try:
+        with torch.no_grad():
+            compute_loss()
+    finally:
+        dflash_module.attend = real
+    shares = []
+    for weights, mask in captured:  # weights [B, h, Q, S + Q], mask [B, 1, Q, S + Q]
+        Q = weights.shape[2]
+        S = weights.shape[3] - Q
+        slot = torch.arange(Q) % bs
+        rows = (slot > 0) & mask[:, 0, :, :S].any(-1).all(0)  # draft slots of blocks with a context
+        anchor_key = S + (torch.arange(Q) // bs) * bs
+        ctx = mask[:, 0, :, :S]
+        last_key = (ctx * torch.arange(S)).argmax(-1)  # [B, Q]
+        visible = mask[:, 0].float()
+        uniform = visible / visible.sum(-1, keepdim=True)  # [B, Q, S + Q]
+        measured = weights.mean(1)  # over heads
+        pick = lambda w, idx: w.gather(-1, idx[..., None])[..., 0]  # noqa: E731
+        anchor_idx = anchor_key.expand(weights.shape[0], Q)
+        row_mean = lambda x: x[:, rows].mean().item()  # noqa: E731
+        layer = {}
+        for name, w in (("measured", measured), ("uniform", uniform)):
+            a, c = pick(w, anchor_idx), pick(w, last_key)
+            block = w[..., S:].sum(-1) - a
+            layer[name] = {"anchor slot": row_mean(a), "last context position": row_mean(c),
+                           "other block slots": row_mean(block), "rest of the context": row_mean(1 - a - c - block)}
+        shares.append({where: (layer["measured"][where], layer["uniform"][where]) for where in layer["measured"]})
+    return shares
 
 
 def main() -> None:
@@ -110,6 +160,10 @@ def main() -> None:
         top = drafter.draft_logits(drafter.block_hidden(block, torch.arange(40, 40 + bs)[None], kv, None)).argmax(-1)[0]
     tok = target.tokenizer.convert_ids_to_tokens
     print(f"row 0 at 40: anchor {tok([int(ids[0, 40])])}, block argmax {tok(top.tolist())}")
+
+    for i, layer in enumerate(attention_shares(drafter, lambda: loss(example.target))):
+        print(f"layer {i} attention from the draft slots (measured / uniform over the same keys): "
+              + ", ".join(f"{where} {m:.3f} / {u:.3f}" for where, (m, u) in layer.items()))
 
     out = loss(example.target)
     out.loss.backward()
