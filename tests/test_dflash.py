@@ -450,9 +450,9 @@ def test_after_commits_the_source_drafts_what_a_fresh_start_on_the_whole_prefix_
     2 tokens), the block logits are those of a source started on the whole prefix.
 
     In float64: the cached path multiplies the context in chunks of 6, 3 and 2 positions, the fresh start in one
-    of 11, and float32 matmuls of different shapes round differently (3.8e-5 on logits of 8 on an AVX2 CPU, whose
-    kernels block differently from AVX-512's). In float64 the two agree to the float32 logits' last bit, so the
-    tolerance is tight and a feature cached at the wrong position, or a step missed, still shows."""
+    of 11, and float32 matmuls of different shapes round differently: 3.8e-5 apart on logits of 8 on an AVX2-only
+    CPU, beyond the float32 tolerance, where AVX-512 machines had passed. In float64 the two agree exactly here,
+    so the tolerance is tight and a feature cached at the wrong position, or a step missed, still shows."""
     target = tiny_target()
     target.model.to(torch.float64)
     drafter = dflash(target, block_size=4).to(torch.float64)
