@@ -1,5 +1,6 @@
 """Toy target: corpus split, chat template, tiny end-to-end build, and the shipped checkpoint."""
 
+import ast
 import dataclasses
 import json
 import math
@@ -374,8 +375,6 @@ def test_a_definitions_source_is_what_the_stdlib_cuts_from_the_file(name, text):
     ``ast.get_source_segment`` splits the file again per node: minutes over the stdlib). The same text for every
     definition, on a source with \\r\\n, \\r and \\n endings, a form feed, tabs, multi-byte characters before the
     byte offsets and no final newline, and on two stdlib files."""
-    import ast
-
     if text is None:
         text = (STDLIB / name).read_text(encoding="utf-8")
     lines = SOURCE_LINE.findall(text)
