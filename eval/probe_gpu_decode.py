@@ -6,7 +6,8 @@
 For each of: transformers' own decode loop (DynamicCache, one token per forward), specdraft's plain_decode (eager,
 and with CUDA graphs where transformers allows), and specdraft's prompt-lookup chain (K=5), three greedy decodes of one chat prompt, timed with the device synchronised;
 the SM clock (NVML, when present) is sampled through each. Then, in bfloat16, plain decodes of one prompt against
-prompts of new lengths (with cuDNN's attention on and off: does a per-shape plan make a first decode slow?), and
+prompts of new lengths (with cuDNN's attention allowed and, as specdraft decodes, off: a per-shape plan made a
+first decode slow), and
 one plain decode through evaluate(), as the eval runs it. --profile prints torch.profiler's top operators of one
 plain decode, by CPU time and by device time. Prints a Markdown table: ms per target forward, and the median SM clock.
 """
@@ -21,6 +22,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from specdraft import sdpa
 from specdraft.decoding.sources import PromptLookupSource, static_cache_rolls_back
 from specdraft.decoding.speculative import plain_decode, speculative_decode
 from specdraft.evaluation.run import EvalSettings, evaluate
@@ -119,7 +121,8 @@ def main() -> int:
     # The GPU check's eval decoded in bfloat16, each prompt and method meeting new (query, key) lengths. A backend
     # that plans per shape (cuDNN's attention) pays that per step the first time: plain decoding, first on every
     # prompt, would pay it all. bf16, three runs of one prompt (shapes seen) against three prompts of new lengths
-    # (shapes new), then the new lengths again with cuDNN's attention off.
+    # (shapes new), with cuDNN's attention allowed (as specdraft decoded before specdraft/sdpa.py), then the new
+    # lengths again as specdraft decodes now, with cuDNN's attention off.
     bf16 = FrozenTarget.from_pretrained(resolve_target_path("toy"), dtype="bfloat16", device=device)
     fresh = iter(range(1, 1000))
 
@@ -128,12 +131,14 @@ def main() -> int:
         return torch.tensor([prompt_token_ids(bf16.tokenizer, Prompt("0", "probe", "code", "question",
                                                                       [f"{preamble} {ask}"]))], device=device)
 
-    bf16_runs = {"bf16 plain_decode, one prompt (shapes seen)": lambda: ids,
-                 "bf16 plain_decode, a new prompt length each run (shapes new)": new_lengths}
+    bf16_runs = {"bf16 plain_decode, one prompt (shapes seen), cuDNN attention allowed": lambda: ids,
+                 "bf16 plain_decode, a new prompt length each run (shapes new), cuDNN attention allowed": new_lengths}
     if device.type == "cuda":
-        bf16_runs["bf16 plain_decode, new lengths, cuDNN attention off"] = new_lengths
+        bf16_runs["bf16 plain_decode, new lengths, cuDNN attention off (as specdraft decodes)"] = new_lengths
     for name, make_ids in bf16_runs.items():
-        torch.backends.cuda.enable_cudnn_sdp("cuDNN attention off" not in name)
+        allowed = "cuDNN attention allowed" in name
+        sdpa.CUDNN_ATTENTION_DEVICE_TYPES = () if allowed else ("cuda",)  # the decoder's own switch, lifted
+        torch.backends.cuda.enable_cudnn_sdp(allowed)
         plain_decode(bf16, ids, max_new_tokens=args.tokens)  # warm-up (the first prompt's shapes)
         times = []
         for _ in range(3):
@@ -145,6 +150,7 @@ def main() -> int:
             times.append((time.perf_counter() - start) / (len(out.forwards) + 1))
         rows.append(f"| {name} | {len(out.forwards) + 1} | {statistics.median(times) * 1e3:.2f} | - |")
         print(rows[-1], flush=True)
+    sdpa.CUDNN_ATTENTION_DEVICE_TYPES = ("cuda",)
     torch.backends.cuda.enable_cudnn_sdp(True)
 
     # The same plain decode through evaluate(), which the GPU check's eval used (it stops at the end of turn, so

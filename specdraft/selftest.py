@@ -47,6 +47,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from safetensors.torch import load_file  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from .config import parse_recipe  # noqa: E402
 from .contract import FolderExporter  # noqa: E402
@@ -275,7 +276,10 @@ def check_exports(setup: Setup, family: str, run_dir: Path) -> dict[str, str]:
 
 class _deterministic:
     """On CUDA, deterministic kernels while training (a resume must reproduce the straight run bit for bit; an
-    atomic-add backward would not); elsewhere nothing changes."""
+    atomic-add backward would not); elsewhere nothing changes. Attention runs as math: flash and
+    memory-efficient attention's backward split keys across atomic adds unless deterministic mode is strict
+    (``warn_only=False``, which would stop on any other op without a deterministic kernel), and specdraft keeps
+    cuDNN's attention off (``specdraft.sdpa``)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -284,9 +288,12 @@ class _deterministic:
         if self.cuda:
             self.before = torch.are_deterministic_algorithms_enabled()
             torch.use_deterministic_algorithms(True, warn_only=True)
+            self.attention = sdpa_kernel([SDPBackend.MATH])
+            self.attention.__enter__()
 
     def __exit__(self, *exc):
         if self.cuda:
+            self.attention.__exit__(*exc)
             torch.use_deterministic_algorithms(self.before)
 
 

@@ -55,6 +55,7 @@ from .features import check_feature_cache, open_feature_caches, with_sample_inde
 from .named_targets import cache_home
 from .recipe_target import load_target, recipe_needs
 from .run_folder import Replacement, check_run_dir, resume_changes
+from .sdpa import cudnn_attention_off
 from .target import FrozenTarget
 from .target_fingerprint import embedding_probe, record_target
 from .train_parts import (
@@ -137,14 +138,16 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
     bar = tqdm(total=run.total_steps, initial=run.state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=not (show_progress and run.accelerator.is_local_main_process))
     try:
-        with StopRequested() as stop:
+        # Batches padded to their longest row bring new attention shapes: no per-shape plans (specdraft/sdpa.py).
+        with StopRequested() as stop, cudnn_attention_off(run.accelerator.device):
             stopped = run_steps(run, stop, bar)
         bar.close()
         if stopped:
             run.accelerator.print(f"stopped by signal at step {run.state.step}; resume with --resume")
             run.accelerator.end_training()
             return run.run_dir
-        finish(run, show_progress)
+        with cudnn_attention_off(run.accelerator.device):
+            finish(run, show_progress)
     except BaseException:
         if run.replacement is not None and run.replacement.pending:  # failed before its first checkpoint
             run.replacement.undo()

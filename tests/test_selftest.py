@@ -168,3 +168,18 @@ def test_the_environment_says_whether_this_cpu_has_hardware_for_bf16(monkeypatch
         assert bf16.startswith("native on this CPU")
     else:
         assert bf16.startswith("emulated on this CPU") and "target.dtype=float32 training.mixed_precision='no'" in bf16
+
+
+def test_the_resume_checks_training_on_cuda_runs_deterministic_math_attention():
+    """On CUDA the training checks compare a resumed run with a straight one bit for bit: flash and memory-efficient
+    attention's backward add across split keys in any order unless deterministic mode is strict, so their SDPA is
+    math alone; the caller's flags come back after. On a CPU nothing changes."""
+    backends = (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+                torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
+    before = ([read() for read in backends], torch.are_deterministic_algorithms_enabled())
+    with selftest_module._deterministic(torch.device("cuda")):
+        assert [read() for read in backends] == [False, False, False, True]
+        assert torch.are_deterministic_algorithms_enabled()
+    assert ([read() for read in backends], torch.are_deterministic_algorithms_enabled()) == before
+    with selftest_module._deterministic(torch.device("cpu")):
+        assert ([read() for read in backends], torch.are_deterministic_algorithms_enabled()) == before

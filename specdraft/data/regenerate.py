@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from ..dtypes import resolve_dtype, slow_cpu_dtype_warning
 from ..errors import SpecdraftError
 from ..features import weights_fingerprint
+from ..sdpa import cudnn_attention_off
 from ..target import resolve_target_path
 from .chat import render, resolve_chat_template
 from .formats import from_messages, load_raw, resolve_format, to_messages
@@ -176,7 +177,8 @@ def generate_batch(model, tokenizer, prompts: list[str], *, temperature: float, 
         pad_token_id=pad_id,
         eos_token_id=stop_ids,
     )
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    with cudnn_attention_off(device):  # each generated token's key length is new: no per-shape attention plans
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     answers = []
     for row in out[:, width:].tolist():
         end = next((i for i, t in enumerate(row) if t in stop_ids), len(row))

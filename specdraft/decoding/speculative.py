@@ -44,6 +44,7 @@ from specdraft.decoding.sampling import (
 from specdraft.decoding.tree_verify import TreeVerifyInputs, verify_tree
 from specdraft.decoding.trees import TreeDrafting, check_tree, tree_depths
 from specdraft.errors import SpecdraftError
+from specdraft.sdpa import cudnn_attention_off
 
 
 @dataclass
@@ -215,13 +216,16 @@ def speculative_decode_batch(
         verifier = compiled_verify(target, compile_target)
         static = verifier.new_cache(prompts[0].shape[1] + budgets[0], 1 + widest,
                                     sources is not None and isinstance(sources[0], TreeDrafting))  # fmt: skip
-    cache, valid, last_logits = prefill_rows(target, prompts, sources, room=max(budgets) + widest + 1, static=static)
-    pending = _first_tokens(last_logits, params, generator)  # [B]
-    decode = _Decode(verifier, static, sources, cache, valid, pending, budgets, k, rules, generator, clock, stop_ids)
-    prefill_seconds = _clock(device) - start
-    while rows := decode.active_rows():
-        decode.step(rows)
-    decode.alphas_to_host()
+    with cudnn_attention_off(device):  # every step's key length is new: no per-shape attention plans
+        cache, valid, last_logits = prefill_rows(target, prompts, sources, room=max(budgets) + widest + 1,
+                                                 static=static)
+        pending = _first_tokens(last_logits, params, generator)  # [B]
+        decode = _Decode(verifier, static, sources, cache, valid, pending, budgets, k, rules, generator, clock,
+                         stop_ids)
+        prefill_seconds = _clock(device) - start
+        while rows := decode.active_rows():
+            decode.step(rows)
+        decode.alphas_to_host()
     tokens, steps, forwards = decode.tokens, decode.steps, decode.forwards
     seconds = _clock(device) - start
     outputs = [DecodeOutput(_truncate(tokens[b], budgets[b], stop_ids), steps[b], prefill_seconds, seconds, batch,
