@@ -7,14 +7,18 @@
 # Goals: tau >= 3.0 on the chain, and a wall-clock speedup above 2x at batch 1; DFlash tau >= EAGLE-3's.
 #
 # The GGUF (93.8 MiB) is more than one device call carries (64 MiB with the checkout), so it travels in two
-# halves, in two ignored folders, one call each; the machine keeps an ignored folder that a later call does not
-# name in `carry` (it stays warm 30 s after a call: make the second call right after the first).
+# parts, in two ignored folders, one call each; the machine keeps an ignored folder that a later call does not
+# name in `carry` (it stays warm 30 s after a call: make the second call right after the first). The wheels
+# (gguf, and transformers 5.24 for compiled decoding: 13 MiB) travel with the first part, which `prepare` sizes
+# so that each call stays under 64 MiB; the first call can do other work too (here, part of the GPU check).
 #
-#   bash eval/gpu_real_target.sh prepare          # HERE: the halves, the prompts, the gguf wheel (seconds)
-#   run(command="bash eval/gpu_real_target.sh receive", carry=[".gguf-a"], timeout_s=60)
-#   run(command="bash eval/gpu_real_target.sh run /tmp/real; rc=$?; cp /tmp/real/report.md $OUT/;
+#   bash eval/gpu_real_target.sh prepare          # HERE: the parts, the prompts, the wheels (seconds)
+#   run(command="bash eval/gpu_real_target.sh receive && SPECDRAFT_GPU_CHECK_STEPS='install environment probe'
+#       bash eval/gpu_check.sh /tmp/gpu-check; cp /tmp/gpu-check/summary.md /tmp/gpu-check/probe.md $OUT/",
+#       carry=[".gguf-a", ".whl"], timeout_s=240)
+#   run(command="timeout 540 bash eval/gpu_real_target.sh run /tmp/real; rc=$?; cp /tmp/real/report.md $OUT/;
 #       tar czf $OUT/real-target.tgz --exclude real/runs --exclude real/cache -C /tmp real; exit $rc",
-#       carry=[".gguf-b", ".whl", ".gpu-data"], timeout_s=600)
+#       carry=[".gguf-b", ".gpu-data"], timeout_s=600)
 #
 # Device time (estimated, not yet measured): about 1 minute of conversion and answers, 5 of training (per family
 # a 10-step probe, then the steps that fit 2 minutes), 3-4 of decoding: ~9.5 minutes plus the machine's start.
@@ -37,12 +41,9 @@ prepare() {  # here: split the installed GGUF, copy the prompts, download the wh
     gguf=$("$PY" -c "from specdraft.named_targets import gguf_path; print(gguf_path('smollm2-135m-instruct'))") || return 1
     rm -rf .gguf-a .gguf-b .gpu-data
     mkdir -p .gguf-a .gguf-b .gpu-data .whl
-    local size half
-    size=$(stat -c %s "$gguf")
-    half=$(( (size + 1) / 2 ))
-    head -c "$half" "$gguf" > .gguf-a/part
-    tail -c +$(( half + 1 )) "$gguf" > .gguf-b/part
-    sha256sum "$gguf" | cut -d' ' -f1 > .gguf-b/sha256
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl gguf==0.19.0 transformers==5.24.0 \
+        || return 1
     # 3,100 of the shared training prompts (a seeded sample: the file is grouped by source) and Spec-Bench.
     "$PY" - <<'EOF'
 import json, random
@@ -51,8 +52,16 @@ random.Random(0).shuffle(lines)
 open(".gpu-data/train_prompts.jsonl", "w", encoding="utf-8").write("\n".join(lines[:3100]) + "\n")
 EOF
     cp ../shared/data/spec_bench_questions.jsonl .gpu-data/
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl gguf==0.19.0 || return 1
+    # Call 1 carries the checkout, .whl and the first part; call 2 the checkout, .gpu-data and the rest.
+    local limit=$(( 64 * 1048576 - 512 * 1024 )) size first checkout
+    checkout=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+    size=$(stat -c %s "$gguf")
+    first=$(( limit - checkout - $(du -cb .whl/* | tail -1 | cut -f1) ))
+    (( size - first + checkout + $(du -cb .gpu-data/* | tail -1 | cut -f1) <= limit )) \
+        || { echo "the checkout ($checkout bytes) leaves too little room for the GGUF in two calls"; return 1; }
+    head -c "$first" "$gguf" > .gguf-a/part
+    tail -c +$(( first + 1 )) "$gguf" > .gguf-b/part
+    sha256sum "$gguf" | cut -d' ' -f1 > .gguf-b/sha256
     du -sh .gguf-a .gguf-b .gpu-data .whl
 }
 
