@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # eval/gpu_real_target.sh: issue 31, item 5, a real target on a GPU. SmolLM2-135M-Instruct answers about
-# 3,000 of the shared training prompts (batched, on the GPU), EAGLE-3 and DFlash (issue 34) train for about 2
+# 3,000 of the shared training prompts (batched, on the GPU), EAGLE-3 and DFlash (issue 34) train for 1.5
 # minutes each (bf16, equal training time), and specdraft's own decoder evaluates them on Spec-Bench questions:
 # chains of K=7 drafts (DFlash's whole block of 8 in one forward) and EAGLE-3's EAGLE-2 tree, at temperature 0
-# and 1, against plain decoding and prompt lookup, eager and with CUDA graphs.
+# and 1, against plain decoding and prompt lookup, eager (CUDA graphs: below).
 # Goals: tau >= 3.0 on the chain, and a wall-clock speedup above 2x at batch 1; DFlash tau >= EAGLE-3's.
 #
 # The GGUF (93.8 MiB) is more than one device call carries (64 MiB with the checkout), so it travels in two
@@ -17,15 +17,22 @@
 #       bash eval/gpu_check.sh /tmp/gpu-check; cp /tmp/gpu-check/summary.md /tmp/gpu-check/probe.md $OUT/",
 #       carry=[".gguf-a", ".whl"], timeout_s=240)
 #   run(command="timeout 540 bash eval/gpu_real_target.sh run /tmp/real; rc=$?; cp /tmp/real/report.md $OUT/;
-#       tar czf $OUT/real-target.tgz --exclude real/runs --exclude real/cache -C /tmp real; exit $rc",
+#       tar czf $OUT/real-target.tgz --exclude '*.safetensors' --exclude '*.pt' --exclude real/cache -C /tmp real;
+#       exit $rc",
 #       carry=[".gguf-b", ".gpu-data"], timeout_s=600)
 #
-# Device time (estimated, not yet measured): about 1 minute of conversion and answers, 5 of training (per family
-# a 10-step probe, then the steps that fit 2 minutes), 3-4 of decoding: ~9.5 minutes plus the machine's start.
-# Near the 10-minute call limit: SPECDRAFT_REAL_FAMILIES=eagle3 (and --train-minutes 4 below) is the run
-# without DFlash; SPECDRAFT_REAL_ARGS="--train-minutes 1 --compile-modes off" shortens it (appended options
-# replace the script's). With 15 minutes a session, run this OR
-# eval/gpu_check.sh in one session, not both.
+# Device time: the first call took 87 s plus the machine's start (2026-11-28, H200). The second was cut at 530 s
+# that day, before decoding finished (eval/gpu/h200-2026-11-28.md): the answers took 214 s and each decode step
+# about 40 ms more than it should, both from cuDNN's attention planning every new shape, which specdraft has
+# turned off since (specdraft/sdpa.py); and each family trained for a probe's worth of time only, which
+# bench_train_and_decode.py has fixed since. Expected now, not yet measured: under a minute of answers (batches
+# of 512), 2 x 2 minutes of training (a 20-step probe, then 1.5 minutes), 3-4 minutes of eager decoding.
+# CUDA graphs (--compile-modes off reduce-overhead) do not fit this call: each compiled verify graph of SmolLM2
+# took about 60 s to make on this project's CPU (python eval/probe_compile_time.py --target smollm2-135m-instruct
+# --device cpu), and the eval makes one per (cache size, width, taps) and more for its verify-cost curve: give
+# them a call of their own. SPECDRAFT_REAL_ARGS appends options (a later one replaces an earlier one);
+# SPECDRAFT_REAL_FAMILIES=eagle3 leaves DFlash out. With 15 minutes a session, this run and the GPU check's
+# probe (the first call, as above) fit; the whole of eval/gpu_check.sh does not fit beside them.
 #
 # A CPU dry run of the whole `run` path (a tiny model budget; minutes): after `prepare`,
 #   bash eval/gpu_real_target.sh receive && SPECDRAFT_GPU_CHECK_DEVICE=cpu bash eval/gpu_real_target.sh run /tmp/real-dry
@@ -91,9 +98,8 @@ run() {  # device call 2: join, install gguf, then the benchmark
                --per-category 1 --max-new-tokens 16 --temperatures 0 --compile-modes off
                --set data.max_length=256 --set eagle3:drafter.draft_vocab_size=2048)
     else
-        sizes=(--num-train-prompts 3000 --heldout-answers 48 --answer-tokens 256 --answer-batch 128
-               --train-minutes 2 --per-category 1 --max-new-tokens 128 --temperatures 0 1
-               --compile-modes off reduce-overhead)
+        sizes=(--num-train-prompts 3000 --heldout-answers 48 --answer-tokens 256 --answer-batch 512
+               --train-minutes 1.5 --per-category 1 --max-new-tokens 128 --temperatures 0 1 --compile-modes off)
     fi
     (cd eval && "$PY" bench_train_and_decode.py --target smollm2-135m-instruct --device "$device" --work "$out" \
         --train-prompts-file ../.gpu-data/train_prompts.jsonl --eval-prompts-file ../.gpu-data/spec_bench_questions.jsonl \
