@@ -1,10 +1,10 @@
 """cuDNN's attention kept out of specdraft's work on CUDA: on shapes that change every call it costs a plan each.
 
-torch 2.11 (and 2.13) puts cuDNN first in ``scaled_dot_product_attention``'s backend order on sm90 and sm100
-GPUs with a recent cuDNN (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, unless
-``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is set). cuDNN builds an execution plan for each new shape (batch, heads,
-query and key lengths, mask, strides: ``MHAParams`` in ``aten/src/ATen/native/cudnn/MHA.cpp``) and caches it
-per shape. A decode step meets a new key length every step, a verify a new one every round, and a training
+torch 2.11 picks cuDNN's attention first for ``scaled_dot_product_attention`` on Hopper GPUs (the probe below saw
+it on an H200; torch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` decides, and the environment
+variable ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` moves it back). cuDNN builds an execution plan for each new shape
+(batch, heads, query and key lengths, mask, strides: ``MHAParams`` in ``aten/src/ATen/native/cudnn/MHA.cpp``)
+and caches it per shape. A decode step meets a new key length every step, a verify a new one every round, and a training
 batch padded to its longest row a new length every batch: each of those calls builds a plan.
 
 Measured on an H200 (torch 2.11.0+cu130, ``python eval/probe_gpu_decode.py``, eval/gpu/h200-2026-11-28.md):
