@@ -9,7 +9,11 @@ answers, it prints:
   - the argmax the block predicts most often, and how often it is the anchor token or the MASK token;
   - where each draft layer's attention goes from the block's draft slots: the share on the block's own anchor
     slot, on the last context position (the target's state just before the anchor) and on the rest, against
-    the share uniform attention over the same visible keys would give.
+    the share uniform attention over the same visible keys would give;
+  - how alike the context is from position to position: per tapped layer and after the fusion (fc + RMSNorm)
+    the keys and values are made from, the mean cosine between two positions' vectors, and how much of a
+    vector's squared norm its largest channel holds (a "massive activation" channel shared by every position
+    makes positions alike, and attention over them near uniform).
 
     python eval/probe_dflash_init.py --recipe recipes/smollm2-135m-dflash.yaml --data ANSWERS.jsonl --rows 8
 
@@ -59,6 +63,19 @@ def answer_rows(tokenizer, path: Path, rows: int, max_length: int) -> dict[str, 
 
 def per_position(out, block_size: int) -> str:
     return " ".join(f"{out.metrics[f'loss_{j}'].item():.2f}" for j in range(block_size - 1))
+
+
+def context_likeness(vectors: torch.Tensor, valid: torch.Tensor) -> str:
+    """Over the ``valid`` [B, T] positions of ``vectors`` [B, T, H]: the mean cosine between two different
+    positions, the mean share of a vector's squared norm in its largest channel, and max |x| / median |x|."""
+    x = vectors[valid].float()
+    unit = torch.nn.functional.normalize(x, dim=-1)
+    cosines = unit @ unit.T
+    off_diagonal = cosines[~torch.eye(len(x), dtype=torch.bool)]
+    square = x.pow(2)
+    top_share = (square.max(-1).values / square.sum(-1)).mean()
+    return (f"mean cosine between positions {off_diagonal.mean():.3f}, largest channel's share of the squared "
+            f"norm {top_share:.3f}, max |x| / median |x| {x.abs().max() / x.abs().median():.0f}")
 
 
 def attention_shares(drafter, compute_loss) -> list[dict[str, tuple[float, float]]]:
@@ -160,6 +177,14 @@ def main() -> None:
         top = drafter.draft_logits(drafter.block_hidden(block, torch.arange(40, 40 + bs)[None], kv, None)).argmax(-1)[0]
     tok = target.tokenizer.convert_ids_to_tokens
     print(f"row 0 at 40: anchor {tok([int(ids[0, 40])])}, block argmax {tok(top.tolist())}")
+
+    features, valid = example.target.aux_hidden, batch["attention_mask"].bool().clone()
+    valid[:, :4] = False  # the first positions (the chat template's start) are attention sinks in many targets
+    hidden = target.config.hidden_size
+    for i in range(features.shape[-1] // hidden):
+        print(f"tap {drafter.needs.taps[i]:>2}: {context_likeness(features[..., i * hidden:(i + 1) * hidden], valid)}")
+    with torch.no_grad():
+        print(f"fused context (fc + norm): {context_likeness(drafter.context(features), valid)}")
 
     for i, layer in enumerate(attention_shares(drafter, lambda: loss(example.target))):
         print(f"layer {i} attention from the draft slots (measured / uniform over the same keys): "
