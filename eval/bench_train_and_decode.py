@@ -101,6 +101,7 @@ def train_for(family: str, recipe_path: Path, overrides: list[str], run_dir: Pat
     if steps is None:
         probe = run_dir.with_name(run_dir.name + "-probe")
         train(load_recipe(recipe_path, overrides + ["training.max_steps=20", "training.log_every=10",
+                                                    "training.eval_every=0",  # no eval inside the timed window
                                                     f"checkpoint.output_dir={probe}", "checkpoint.save_every=20"]),
               overwrite=True, show_progress=False)
         logs = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines()]
