@@ -65,6 +65,13 @@ def per_position(out, block_size: int) -> str:
     return " ".join(f"{out.metrics[f'loss_{j}'].item():.2f}" for j in range(block_size - 1))
 
 
+def context_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, T] the real positions past the first 4 (the chat template's start: attention sinks in many targets)."""
+    valid = batch["attention_mask"].bool().clone()
+    valid[:, :4] = False
+    return valid
+
+
 def context_likeness(vectors: torch.Tensor, valid: torch.Tensor) -> str:
     """Over the ``valid`` [B, T] positions of ``vectors`` [B, T, H]: the mean cosine between two different
     positions, the mean share of a vector's squared norm in its largest channel, and max |x| / median |x|."""
@@ -178,8 +185,7 @@ def main() -> None:
     tok = target.tokenizer.convert_ids_to_tokens
     print(f"row 0 at 40: anchor {tok([int(ids[0, 40])])}, block argmax {tok(top.tolist())}")
 
-    features, valid = example.target.aux_hidden, batch["attention_mask"].bool().clone()
-    valid[:, :4] = False  # the first positions (the chat template's start) are attention sinks in many targets
+    features, valid = example.target.aux_hidden, context_positions(batch)
     hidden = target.config.hidden_size
     for i in range(features.shape[-1] // hidden):
         print(f"tap {drafter.needs.taps[i]:>2}: {context_likeness(features[..., i * hidden:(i + 1) * hidden], valid)}")

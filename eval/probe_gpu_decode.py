@@ -135,9 +135,10 @@ def main() -> int:
                  "bf16 plain_decode, a new prompt length each run (shapes new), cuDNN attention allowed": new_lengths}
     if device.type == "cuda":
         bf16_runs["bf16 plain_decode, new lengths, cuDNN attention off (as specdraft decodes)"] = new_lengths
+    decoders_own = sdpa.CUDNN_ATTENTION_DEVICE_TYPES
     for name, make_ids in bf16_runs.items():
         allowed = "cuDNN attention allowed" in name
-        sdpa.CUDNN_ATTENTION_DEVICE_TYPES = () if allowed else ("cuda",)  # the decoder's own switch, lifted
+        sdpa.CUDNN_ATTENTION_DEVICE_TYPES = () if allowed else decoders_own  # the decoder's own switch, lifted
         torch.backends.cuda.enable_cudnn_sdp(allowed)
         plain_decode(bf16, ids, max_new_tokens=args.tokens)  # warm-up (the first prompt's shapes)
         times = []
@@ -150,7 +151,7 @@ def main() -> int:
             times.append((time.perf_counter() - start) / (len(out.forwards) + 1))
         rows.append(f"| {name} | {len(out.forwards) + 1} | {statistics.median(times) * 1e3:.2f} | - |")
         print(rows[-1], flush=True)
-    sdpa.CUDNN_ATTENTION_DEVICE_TYPES = ("cuda",)
+    sdpa.CUDNN_ATTENTION_DEVICE_TYPES = decoders_own
     torch.backends.cuda.enable_cudnn_sdp(True)
 
     # The same plain decode through evaluate(), which the GPU check's eval used (it stops at the end of turn, so

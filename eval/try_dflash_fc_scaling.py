@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from probe_dflash_init import answer_rows, context_likeness
+from probe_dflash_init import answer_rows, context_likeness, context_positions
 
 from specdraft.config import load_recipe
 from specdraft.contract import TrainingContext
@@ -33,8 +33,7 @@ def channel_scaled_build(stat_data: Path, rows: int):
         batch = answer_rows(target.tokenizer, stat_data, rows, 512)
         with torch.no_grad():
             features = drafter.prepare(batch, TrainingContext(target)).target.aux_hidden
-            valid = batch["attention_mask"].bool().clone()
-            valid[:, :4] = False
+            valid = context_positions(batch)
             print(f"fused context at the start, as built: {context_likeness(drafter.context(features), valid)}")
             rms = features[valid].float().pow(2).mean(0).sqrt()  # [n * H]
             scale = rms.median() / rms.clamp_min(1e-6)

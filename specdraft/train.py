@@ -139,14 +139,14 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
                disable=not (show_progress and run.accelerator.is_local_main_process))
     try:
         # Batches padded to their longest row bring new attention shapes: no per-shape plans (specdraft/sdpa.py).
-        with StopRequested() as stop, cudnn_attention_off(run.accelerator.device):
-            stopped = run_steps(run, stop, bar)
-        bar.close()
-        if stopped:
-            run.accelerator.print(f"stopped by signal at step {run.state.step}; resume with --resume")
-            run.accelerator.end_training()
-            return run.run_dir
         with cudnn_attention_off(run.accelerator.device):
+            with StopRequested() as stop:
+                stopped = run_steps(run, stop, bar)
+            bar.close()
+            if stopped:
+                run.accelerator.print(f"stopped by signal at step {run.state.step}; resume with --resume")
+                run.accelerator.end_training()
+                return run.run_dir
             finish(run, show_progress)
     except BaseException:
         if run.replacement is not None and run.replacement.pending:  # failed before its first checkpoint
