@@ -207,6 +207,27 @@ def lk_hybrid_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, mask:
     return masked_mean(weight * kl + (1.0 - weight) * (1.0 - alpha), mask)
 
 
+def dpace_position_weights(confidence: torch.Tensor, counted: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE's weights of a block's draft positions (Dynamic Position-Aware Cross-Entropy for parallel
+    drafting, arXiv 2605.18810, Eq. 7-8; SpecForge ``--loss-type dpace``, speculators ``--per-position-loss-weight
+    dpace``, Model-Optimizer's ``dflash_loss_objective``), detached: the expected accepted length still to gain
+    at each position,
+
+        q~_i = (1 - alpha) q_i + alpha                  (Eq. 7, smoothed confidence; alpha = 1: all weights equal
+                                                         the positions left, 0: the bare prefix products)
+        w_j  = sum_{m >= j} counted_m prod_{i <= m} q~_i     (Eq. 8)
+
+    ``confidence`` [..., L] is the draft's probability of position i's label (exp(-CE)), ``counted`` [..., L]
+    bool; an uncounted position is 1 in the products, adds nothing to the sums and weighs 0 (SpecForge's
+    convention).
+    A fixed decay weighs a far position as much however the earlier ones do; these weights shrink every
+    position behind one the draft still gets wrong, since a rejection there discards it."""
+    with torch.no_grad():
+        smooth = torch.where(counted, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(confidence.float()))
+        reached = torch.cumprod(smooth, dim=-1) * counted
+        return reached.flip(-1).cumsum(-1).flip(-1) * counted
+
+
 # The recipe's ``drafter.loss`` for EAGLE-1/3, Medusa and the MLP speculator: "ce" is each family's own
 # (the soft cross-entropy -sum P log Q = KL(P || Q) + H(P), KL's gradient), the others aim at acceptance.
 DRAFTER_LOSSES = {"ce": soft_cross_entropy, "tvd": tv_loss, "lk_alpha": lk_alpha_loss, "lk_hybrid": lk_hybrid_loss}

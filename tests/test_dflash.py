@@ -305,6 +305,40 @@ def test_the_loss_is_decaying_cross_entropy_toward_the_chosen_labels(labels):
     torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("labels", ["target", "tokens"])
+def test_dpace_weighs_each_slot_by_the_accepted_length_still_to_gain(labels):
+    """position_weights: dpace (arXiv 2605.18810, Eq. 7-8): per block, q~_i = (1 - alpha) exp(-CE_i) + alpha over
+    the counted slots (an uncounted slot is 1 in the products and adds nothing), w_j = sum over counted m >= j
+    of prod_{i <= m} q~_i; the loss is the w-weighted mean of the slots' CE."""
+    target = tiny_target()
+    alpha = 0.3
+    drafter = dflash(target, block_size=4, num_anchors=2, labels=labels, position_weights="dpace", dpace_alpha=alpha)
+    ids = random_ids(1, 16, seed=7)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, 6] = 0  # slot 2 of the block at 4 is not counted, slot 3 is
+    anchors = torch.tensor([[4, 14]])  # the block at 14 runs past the sequence after slot 1
+    drafter.sample_anchors = lambda valid, generator: (anchors, torch.ones_like(anchors, dtype=torch.bool))
+    out = loss_on(drafter, target, batch_of(ids, loss_mask))
+    del drafter.sample_anchors
+    target_logits = target(ids, logits="full").logits[0]
+    num = den = 0.0
+    for a in anchors[0].tolist():
+        q = torch.log_softmax(specdraft_block_logits(drafter, target, ids[0], a), -1)
+        ce = {}
+        for j in range(1, 4):
+            if a + j < 16 and loss_mask[0, a + j]:
+                ce[j] = -q[j - 1, ids[0, a + j]] if labels == "tokens" else \
+                    -(torch.softmax(target_logits[a + j - 1], -1) * q[j - 1]).sum()
+        reach, reached = 1.0, {}
+        for j in sorted(ce):
+            reach *= (1 - alpha) * math.exp(-ce[j].item()) + alpha
+            reached[j] = reach
+        for j in ce:
+            w = sum(reached[m] for m in ce if m >= j)
+            num, den = num + w * ce[j], den + w
+    torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
+
+
 def test_a_drafter_that_outputs_the_targets_next_token_state_loses_only_the_targets_entropy():
     """The loss targets are aligned: a drafter whose slot j (at position a + j) outputs the target's final
     state at a + j - 1 reproduces the target's logits there, so its distillation loss is the target's own
@@ -745,6 +779,9 @@ def test_an_export_of_a_draft_layer_the_engine_lacks_is_refused(tmp_path, fmt, e
     ({"norm_init": 0}, "norm_init must be a number > 0"),
     ({"norm_init": "small"}, "norm_init must be a number > 0"),
     ({"labels": "soft"}, "labels must be one of target, tokens"),
+    ({"position_weights": "linear"}, "position_weights must be one of decay, dpace"),
+    ({"dpace_alpha": 0}, r"dpace_alpha must be a number in \(0, 1\]"),
+    ({"dpace_alpha": 1.5}, r"dpace_alpha must be a number in \(0, 1\]"),
 ])
 def test_bad_config_values(settings, match):
     with pytest.raises(SpecdraftError, match=match):

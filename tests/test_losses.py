@@ -12,6 +12,7 @@ from specdraft.losses import (
     acceptance_rate,
     binary_entropy,
     distillation_view,
+    dpace_position_weights,
     forward_kl,
     forward_kl_from_hidden,
     generalized_jsd,
@@ -345,3 +346,17 @@ def test_forward_kl_from_hidden_in_chunks_is_forward_kl_of_the_whole_logits():
         assert forward_kl_from_hidden(draft, target, head, head, 3).item() == pytest.approx(expected.item(), rel=1e-6)
     empty = torch.zeros(0, 8, requires_grad=True)  # no counted row: 0, as forward_kl's masked mean gives
     assert forward_kl_from_hidden(empty, empty.detach(), head, head, 3).item() == 0.0
+
+
+def test_dpace_weights_are_the_suffix_sums_of_the_smoothed_confidence_products():
+    """D-PACE Eq. 7-8, by hand: q = [.2, .6, 1], alpha .5 -> q~ = [.6, .8, 1], products [.6, .48, .48],
+    w = [1.56, .96, .48]. An uncounted position is 1 in the products, adds nothing and weighs 0; alpha 1 counts the
+    positions left; the weights carry no gradient."""
+    q = torch.tensor([[0.2, 0.6, 1.0]], requires_grad=True)
+    every = torch.ones(1, 3, dtype=torch.bool)
+    w = dpace_position_weights(q, every, alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.56, 0.96, 0.48]]))
+    assert not w.requires_grad
+    middle_off = torch.tensor([[True, False, True]])
+    torch.testing.assert_close(dpace_position_weights(q, middle_off, alpha=0.5), torch.tensor([[1.2, 0.0, 0.6]]))
+    torch.testing.assert_close(dpace_position_weights(q, every, alpha=1.0), torch.tensor([[3.0, 2.0, 1.0]]))

@@ -52,6 +52,12 @@ the issue and Model-Optimizer's ``dflash_self_logit_distillation`` on the target
 does by default (``drafter.labels: tokens`` trains on the data's tokens instead, as SpecForge). Held-out
 batches draw their anchors from a fixed generator, leaving the training RNG alone.
 
+``drafter.position_weights: dpace`` replaces the fixed w_j by D-PACE's (arXiv 2605.18810, which SpecForge,
+speculators and Model-Optimizer ship as an option): per block, the accepted length still to gain at slot j,
+from the draft's own detached confidence exp(-CE) in each slot (``losses.dpace_position_weights``). While the
+first drafts are mostly wrong, the far slots, which a rejection before them discards, weigh little. The loss
+stays a weighted mean over the counted slots.
+
 Decoding (``DFlashDraftSource``): one draft forward per step. The source keeps each layer's context keys and
 values in a preallocated cache; ``propose`` projects the features the last ``commit`` handed over into it
 and runs the block [pending, MASK x (block_size - 1)] over the cache, always the whole block the draft was
@@ -92,6 +98,7 @@ from ..contract import (
 )
 from ..decoding.sampling import draw_drafts
 from ..errors import SpecdraftError
+from ..losses import dpace_position_weights
 from ..optim import recipe_optimization
 from .eagle3 import Eagle3MLP
 from .eagle_common import (
@@ -111,6 +118,9 @@ DRAFT_LAYERS = ("qwen3", "llama")  # qwen3: with QK-norm, the layer vLLM and SGL
 # target: the target's next-token distribution at a + j - 1 (logit distillation, the paper's Eq. 4 weights);
 # tokens: the data's token a + j (hard-label cross-entropy, z-lab's and SpecForge's "dflash" loss_type)
 DFLASH_LABELS = ("target", "tokens")
+# How the block's positions are weighed in the loss: decay, the paper's fixed exp(-(j - 1) / gamma); dpace, by
+# how likely the draft is to reach each position (D-PACE, arXiv 2605.18810; losses.dpace_position_weights)
+DFLASH_POSITION_WEIGHTS = ("decay", "dpace")
 
 
 @dataclass
@@ -126,6 +136,8 @@ class DFlashConfig:
     draft_layer: str = "qwen3"  # one of DRAFT_LAYERS
     norm_init: float = 1.0  # the final RMSNorm's starting weight (z-lab, SpecForge: 1); see DFlashDrafter
     labels: str = "target"  # one of DFLASH_LABELS: what slot j is trained toward
+    position_weights: str = "decay"  # one of DFLASH_POSITION_WEIGHTS
+    dpace_alpha: float = 0.5  # D-PACE's confidence smoothing (its Eq. 7; the paper's and the anchors' 0.5)
 
     # SpecForge scripts/train_dflash.py: AdamW at lr 6e-4, gradient-norm clipping at 1.0.
     optimizer_defaults: ClassVar[dict] = {"lr": 6e-4, "betas": (0.9, 0.999), "weight_decay": 0.0, "max_grad_norm": 1.0}
@@ -154,6 +166,13 @@ class DFlashConfig:
         if self.labels not in DFLASH_LABELS:
             raise SpecdraftError(f"drafter.labels must be one of {', '.join(DFLASH_LABELS)}, got {self.labels!r} "
                                  "(target: distil the target's distribution; tokens: cross-entropy on the data's tokens)")
+        if self.position_weights not in DFLASH_POSITION_WEIGHTS:
+            raise SpecdraftError(f"drafter.position_weights must be one of {', '.join(DFLASH_POSITION_WEIGHTS)}, got "
+                                 f"{self.position_weights!r} (decay: the paper's exp(-(j - 1) / gamma); dpace: D-PACE)")
+        if isinstance(self.dpace_alpha, bool) or not isinstance(self.dpace_alpha, (int, float)) \
+                or not 0 < self.dpace_alpha <= 1:
+            raise SpecdraftError(f"drafter.dpace_alpha must be a number in (0, 1] (D-PACE's smoothing; the paper's "
+                                 f"0.5), got {self.dpace_alpha!r}")
         if self.draft_layer not in DRAFT_LAYERS:
             raise SpecdraftError(f"drafter.draft_layer must be one of {', '.join(DRAFT_LAYERS)}, got "
                                  f"{self.draft_layer!r} (qwen3: QK-norm, what vLLM and SGLang load)")
@@ -411,8 +430,10 @@ class DFlashDrafter(nn.Module):
             per_slot = block_cross_entropy(logits, tokens)  # [B, N, bs-1]
         else:
             per_slot = dflash_distillation(logits, target_logits)
-        weights = block_weights(bs, self.config.loss_decay_gamma, device)  # [bs-1]
-        w = counted.float() * weights
+        if self.config.position_weights == "dpace":  # detached; exp(-CE) is the label's probability
+            w = dpace_position_weights(torch.exp(-per_slot.detach()), counted, self.config.dpace_alpha)
+        else:
+            w = counted.float() * block_weights(bs, self.config.loss_decay_gamma, device)  # [bs-1]
         loss = (per_slot * w).sum() / w.sum().clamp_min(1e-6)
 
         metrics = {}
