@@ -274,35 +274,41 @@ def test_training_blocks_are_the_blocks_decoding_drafts():
                                    rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("labels", ["target", "tokens"])
-def test_the_loss_is_decaying_cross_entropy_toward_the_chosen_labels(labels):
-    """Slot j of the block at anchor a, weighted exp(-(j-1)/gamma) and averaged over the counted slots by their
-    weights (a slot past the sequence or on a non-answer token counts nothing): labels: target distils
-    CE(p_target(. | t_<a+j), q); labels: tokens (SpecForge's hard labels) trains -log q(t_{a+j})."""
-    target = tiny_target()
-    gamma = 2.0
-    drafter = dflash(target, block_size=4, num_anchors=2, loss_decay_gamma=gamma, labels=labels)
+def loss_and_slot_losses(drafter, target, labels: str):
+    """The drafter's loss on a 16-token row whose answer stops at 6 (a user turn) and goes on, with blocks at
+    anchors 4 and 14 (the latter runs past the row after slot 1); and, written out, each block's CE per counted
+    slot j: labels: target, CE(p_target(. | t_<a+j), q); labels: tokens (SpecForge's hard labels), -log q(t_{a+j})."""
     ids = random_ids(1, 16, seed=7)
     loss_mask = torch.ones_like(ids)
-    loss_mask[0, 6] = 0  # the answer stops at 6 (a user turn), then goes on
+    loss_mask[0, 6] = 0
     anchors = torch.tensor([[4, 14]])
     drafter.sample_anchors = lambda valid, generator: (anchors, torch.ones_like(anchors, dtype=torch.bool))
     out = loss_on(drafter, target, batch_of(ids, loss_mask))
     del drafter.sample_anchors
     target_logits = target(ids, logits="full").logits[0]
-    num = den = 0.0
+    per_block = []
     for a in anchors[0].tolist():
         q = torch.log_softmax(specdraft_block_logits(drafter, target, ids[0], a), -1)
-        for j in range(1, 4):
-            if a + j >= 16 or not loss_mask[0, a + j]:
-                continue
-            if labels == "tokens":
-                ce = -q[j - 1, ids[0, a + j]]
-            else:
-                ce = -(torch.softmax(target_logits[a + j - 1], -1) * q[j - 1]).sum()
-            w = math.exp(-(j - 1) / gamma)
-            num, den = num + w * ce, den + w
-    torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
+        ce = {}
+        for j in range(1, drafter.config.block_size):
+            if a + j < 16 and loss_mask[0, a + j]:
+                ce[j] = -q[j - 1, ids[0, a + j]] if labels == "tokens" else \
+                    -(torch.softmax(target_logits[a + j - 1], -1) * q[j - 1]).sum()
+        per_block.append(ce)
+    return out.loss, per_block
+
+
+@pytest.mark.parametrize("labels", ["target", "tokens"])
+def test_the_loss_is_decaying_cross_entropy_toward_the_chosen_labels(labels):
+    """Slot j of the block at anchor a, weighted exp(-(j-1)/gamma) and averaged over the counted slots by their
+    weights (a slot past the sequence or on a non-answer token counts nothing), toward the chosen labels."""
+    target = tiny_target()
+    gamma = 2.0
+    drafter = dflash(target, block_size=4, num_anchors=2, loss_decay_gamma=gamma, labels=labels)
+    loss, per_block = loss_and_slot_losses(drafter, target, labels)
+    weighted = [(math.exp(-(j - 1) / gamma), ce) for block in per_block for j, ce in block.items()]
+    expected = sum(w * ce for w, ce in weighted) / sum(w for w, _ in weighted)
+    torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=torch.float32), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("labels", ["target", "tokens"])
@@ -313,30 +319,16 @@ def test_dpace_weighs_each_slot_by_the_accepted_length_still_to_gain(labels):
     target = tiny_target()
     alpha = 0.3
     drafter = dflash(target, block_size=4, num_anchors=2, labels=labels, position_weights="dpace", dpace_alpha=alpha)
-    ids = random_ids(1, 16, seed=7)
-    loss_mask = torch.ones_like(ids)
-    loss_mask[0, 6] = 0  # slot 2 of the block at 4 is not counted, slot 3 is
-    anchors = torch.tensor([[4, 14]])  # the block at 14 runs past the sequence after slot 1
-    drafter.sample_anchors = lambda valid, generator: (anchors, torch.ones_like(anchors, dtype=torch.bool))
-    out = loss_on(drafter, target, batch_of(ids, loss_mask))
-    del drafter.sample_anchors
-    target_logits = target(ids, logits="full").logits[0]
-    num = den = 0.0
-    for a in anchors[0].tolist():
-        q = torch.log_softmax(specdraft_block_logits(drafter, target, ids[0], a), -1)
-        ce = {}
-        for j in range(1, 4):
-            if a + j < 16 and loss_mask[0, a + j]:
-                ce[j] = -q[j - 1, ids[0, a + j]] if labels == "tokens" else \
-                    -(torch.softmax(target_logits[a + j - 1], -1) * q[j - 1]).sum()
+    loss, per_block = loss_and_slot_losses(drafter, target, labels)
+    weighted = []
+    for ce in per_block:  # the block at 4: slots 1 and 3 counted (6 is not an answer token); at 14: slot 1
         reach, reached = 1.0, {}
         for j in sorted(ce):
             reach *= (1 - alpha) * math.exp(-ce[j].item()) + alpha
             reached[j] = reach
-        for j in ce:
-            w = sum(reached[m] for m in ce if m >= j)
-            num, den = num + w * ce[j], den + w
-    torch.testing.assert_close(out.loss, torch.as_tensor(num / den, dtype=torch.float32), rtol=1e-4, atol=1e-5)
+        weighted += [(sum(reached[m] for m in ce if m >= j), ce[j]) for j in ce]
+    expected = sum(w * ce for w, ce in weighted) / sum(w for w, _ in weighted)
+    torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=torch.float32), rtol=1e-4, atol=1e-5)
 
 
 def test_a_drafter_that_outputs_the_targets_next_token_state_loses_only_the_targets_entropy():
