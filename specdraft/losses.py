@@ -217,11 +217,10 @@ def dpace_position_weights(confidence: torch.Tensor, counted: torch.Tensor, alph
                                                          the positions left, 0: the bare prefix products)
         w_j  = sum_{m >= j} counted_m prod_{i <= m} q~_i     (Eq. 8)
 
-    ``confidence`` [..., L] is the draft's probability of position i's label (exp(-CE)), ``counted`` [..., L]
-    bool; an uncounted position is 1 in the products, adds nothing to the sums and weighs 0 (SpecForge's
-    convention).
-    A fixed decay weighs a far position as much however the earlier ones do; these weights shrink every
-    position behind one the draft still gets wrong, since a rejection there discards it."""
+    ``confidence`` [..., L] is the draft's probability of position i's label, exp(-CE_i); ``counted`` [..., L] is
+    bool. An uncounted position is 1 in the products, adds nothing to the sums and weighs 0 (SpecForge's
+    convention). A fixed decay weighs a far position the same however the earlier ones do; these weights shrink
+    every position behind one the draft still gets wrong, since a rejection there discards it."""
     with torch.no_grad():
         smooth = torch.where(counted, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(confidence.float()))
         reached = torch.cumprod(smooth, dim=-1) * counted

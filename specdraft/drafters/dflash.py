@@ -430,7 +430,9 @@ class DFlashDrafter(nn.Module):
             per_slot = block_cross_entropy(logits, tokens)  # [B, N, bs-1]
         else:
             per_slot = dflash_distillation(logits, target_logits)
-        if self.config.position_weights == "dpace":  # detached; exp(-CE) is the label's probability
+        # exp(-CE): the label's probability (with the target's labels, q's geometric mean under p: the paper's q_i
+        # where p is one-hot); the weights are detached
+        if self.config.position_weights == "dpace":
             w = dpace_position_weights(torch.exp(-per_slot.detach()), counted, self.config.dpace_alpha)
         else:
             w = counted.float() * block_weights(bs, self.config.loss_decay_gamma, device)  # [bs-1]
