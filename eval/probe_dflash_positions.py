@@ -10,7 +10,7 @@ positions 1..3, at the held-out rows' fixed anchors.
 
 Variants: any drafter setting (--set block_size=2, --set position_weights=dpace, --set loss_decay_gamma=0.05 to
 train position 1 alone), and --anchor-only-attention, where each draft slot sees the context, the anchor and
-itself but no other MASK slot.
+itself but no other MASK slot. --score RUN/drafter ... scores drafters trained elsewhere on the same held-out rows.
 
     python eval/probe_dflash_positions.py --data ANSWERS.jsonl --heldout HELDOUT.jsonl [--set KEY=VALUE ...]
 """
@@ -18,6 +18,8 @@ itself but no other MASK slot.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import time
 from pathlib import Path
 
@@ -25,7 +27,8 @@ import torch
 import yaml
 from probe_dflash_init import answer_rows
 
-from specdraft.contract import TrainingContext
+from specdraft.contract import TargetOutputs, TrainingContext
+from specdraft.drafters import load_drafter
 from specdraft.drafters.dflash import DFlashConfig, build_dflash
 from specdraft.target import FrozenTarget, resolve_target_path
 
@@ -37,6 +40,9 @@ class MicroBatches:
         self.drafter, self.target, self.micro = drafter, target, micro
         self.rows = answer_rows(target.tokenizer, Path(path), rows, 256)
         self.count = -(-rows // micro)
+        # what the cached outputs depend on: the rows' tokens and the target's taps
+        tokens = self.rows["input_ids"].numpy().tobytes() + repr(drafter.needs.taps).encode()
+        self.key = f"{rows}-{micro}-{hashlib.sha256(tokens).hexdigest()[:12]}"
 
     def __getitem__(self, i: int):
         with torch.no_grad():
@@ -49,13 +55,14 @@ class MicroBatches:
 
 
 def cached(micro_batches: MicroBatches, cache: Path) -> list:
-    """Every micro-batch, computed once and kept in ``cache`` (the target's full logits: ~50 MB a row)."""
-    if cache.exists():
-        return torch.load(cache, weights_only=False)  # this script's own file of tensors and dataclasses
-    chunks = [micro_batches[i] for i in range(len(micro_batches))]
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(chunks, cache)
-    return chunks
+    """Every micro-batch, computed once and kept in a file named by what it depends on (the target's full logits:
+    ~50 MB a row); read back with weights_only=True (tensors, and the target outputs as plain dicts)."""
+    path = cache.with_suffix(f".{micro_batches.key}.pt")
+    if not path.exists():
+        chunks = [micro_batches[i] for i in range(len(micro_batches))]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save([(batch, dataclasses.asdict(out)) for batch, out in chunks], path)
+    return [(batch, TargetOutputs(**out)) for batch, out in torch.load(path, weights_only=True)]
 
 
 def anchor_only_attention(drafter) -> None:
@@ -86,6 +93,10 @@ def held_out(drafter, chunks) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
+def by_position(accuracy: dict[str, float]) -> str:
+    return " ".join(f"{accuracy[f'acc_{j}']:.3f}" for j in range(3) if f"acc_{j}" in accuracy)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/smollm2-135m-dflash.yaml")
@@ -102,6 +113,8 @@ def main() -> None:
                         help="run the target on each step's rows instead of caching them (for --rows beyond a few "
                              "dozen: with --rows >= steps x micro no row repeats)")
     parser.add_argument("--cache", default="/tmp/probe_dflash_positions/targets.pt")
+    parser.add_argument("--score", nargs="+", metavar="DRAFTER", help="instead of training: score these trained "
+                        "drafter folders (e.g. specdraft train's RUN/drafter) on the probe's held-out rows")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -114,11 +127,15 @@ def main() -> None:
     target = FrozenTarget.from_pretrained(resolve_target_path(recipe["target"]["path"], "float32"), dtype="float32")
     drafter = build_dflash(target, DFlashConfig(**settings), None, tuple(recipe["target"].get("taps") or ()))
     cache = Path(args.cache)
+    eval_chunks = cached(MicroBatches(drafter, target, args.heldout, args.eval_rows, args.micro), cache)
+    if args.score:
+        for folder in args.score:
+            scored = held_out(load_drafter(folder, target), eval_chunks)
+            print(f"{folder}: held-out acc by position {by_position(scored)}")
+        return
     train_chunks = MicroBatches(drafter, target, args.data, args.rows, args.micro)
     if not args.target_each_step:
-        train_chunks = cached(train_chunks, cache.with_suffix(f".train-{args.rows}-{args.micro}.pt"))
-    eval_chunks = cached(MicroBatches(drafter, target, args.heldout, args.eval_rows, args.micro),
-                         cache.with_suffix(f".heldout-{args.eval_rows}-{args.micro}.pt"))
+        train_chunks = cached(train_chunks, cache)
     if args.anchor_only_attention:
         anchor_only_attention(drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -134,10 +151,9 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         if step % 10 == 0 or step == 1:
-            ev = held_out(drafter, eval_chunks)
-            by_position = " ".join(f"{ev[f'acc_{j}']:.3f}" for j in range(3) if f"acc_{j}" in ev)
             print(f"step {step:4d}  train loss {out.loss.item():.3f} acc_0 {float(out.metrics['acc_0']):.3f}  "
-                  f"held-out acc by position {by_position}  {time.time() - start:.0f}s", flush=True)
+                  f"held-out acc by position {by_position(held_out(drafter, eval_chunks))}  "
+                  f"{time.time() - start:.0f}s", flush=True)
 
 
 if __name__ == "__main__":
