@@ -1,0 +1,114 @@
+"""Benchmark: how much a drafter learns per token at each micro-batch size, at an equal token budget.
+
+    python eval/bench_batch_size.py --recipe smollm2-135m-eagle3 --answers WORK/data/answers.jsonl \
+        --heldout WORK/data/heldout_answers.jsonl --sizes 8 4 2 1 --answers-per-run 192 --warmup-answers 16 \
+        --evals 2 --jobs 2 --work WORK --set target.dtype=float32 --set "training.mixed_precision='no'"
+
+Every run trains the recipe on the same answers (the target's own, e.g. eval/bench_families.py's WORK/data)
+for the same number of answers (--answers-per-run), so it sees the same tokens in the same order: only the
+micro-batch size, and so the number of optimizer steps, differs. Warmup and the held-out evals are placed at
+the same answer counts in every run (--warmup-answers, --evals), so the cosine schedule is the same function
+of the tokens seen. Each run trains in a fresh 1-thread process (`--jobs` at a time) into WORK/runs/mbN.
+
+Printed (and written to WORK/report.md): held-out acc_0 (the first draft equals the target's top-1) and the
+simulated acceptance length at each eval, by tokens seen, and the training throughput. `--report-only`
+prints the table from WORK/runs/mb*/ without training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from bench_families import train_runs
+
+from specdraft.recipe_files import resolve_recipe
+
+
+def run_overrides(args: argparse.Namespace, size: int) -> list[str]:
+    """The recipe overrides of the run at micro-batch ``size``: everything placed in answers, not steps."""
+    if args.answers_per_run % (size * args.evals):
+        sys.exit(f"--answers-per-run {args.answers_per_run} is not a multiple of micro-batch {size} x --evals "
+                 f"{args.evals}: the runs would not evaluate at the same answer counts")
+    steps = args.answers_per_run // size
+    every = steps // args.evals
+    return [f"data.path={args.answers}", f"data.eval_path={args.heldout}", f"training.max_steps={steps}",
+            f"training.micro_batch_size={size}", f"optimizer.warmup_steps={max(1, args.warmup_answers // size)}",
+            f"training.eval_every={every}", f"training.log_every={every}",
+            "training.eval_batches=100000",  # every held-out answer, whatever the batch size
+            "eval.enabled=false", f"checkpoint.save_every={every}", "checkpoint.keep_last=1", *args.set]
+
+
+def learning_curve(run_dir: Path) -> dict:
+    """A run's held-out evals by tokens seen, and its training throughput, from its metrics.jsonl.
+
+    Throughput: tokens over the summed log windows. A window runs from one log to the next, so every window
+    after the first also holds one held-out eval and checkpoint (the same count in every run of the grid)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    tokens_at, seconds, tokens = {}, 0.0, 0.0
+    evals = []
+    for row in rows:
+        if "train/tokens_seen" in row:
+            window_tokens = row["train/tokens_seen"] - tokens
+            tokens = row["train/tokens_seen"]
+            seconds += window_tokens / row["train/tokens_per_s"]
+            tokens_at[row["step"]] = tokens
+        if "eval/acc_0" in row:
+            evals.append({"step": row["step"], "tokens": tokens_at[row["step"]], "acc_0": row["eval/acc_0"],
+                          "sim_accept_len": row["eval/sim_accept_len"]})
+    return {"micro_batch_size": recipe["training"]["micro_batch_size"], "steps": rows[-1]["step"],
+            "evals": evals, "tokens": tokens, "minutes": seconds / 60, "tokens_per_s": tokens / seconds}
+
+
+def markdown(curves: dict[str, dict]) -> str:
+    ordered = sorted(curves.values(), key=lambda c: -c["micro_batch_size"])
+    points = sorted({e["tokens"] for c in ordered for e in c["evals"]})
+    lines = ["| micro-batch | optimizer steps | " + " | ".join(f"acc_0 at {t / 1000:.0f}k tokens" for t in points)
+             + " | simulated accepted drafts, last eval | training minutes | tokens/s |",
+             "|---:|---:|" + "---:|" * len(points) + "---:|---:|---:|"]
+    for c in ordered:
+        by_tokens = {e["tokens"]: e for e in c["evals"]}
+        cells = [f"{by_tokens[t]['acc_0']:.3f}" if t in by_tokens else "-" for t in points]
+        lines.append(f"| {c['micro_batch_size']} | {c['steps']} | " + " | ".join(cells)
+                     + f" | {c['evals'][-1]['sim_accept_len']:.3f} | {c['minutes']:.1f} | {c['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="smollm2-135m-eagle3", help="a shipped recipe's name, or a path")
+    parser.add_argument("--answers", type=Path, help="the training answers (messages JSONL)")
+    parser.add_argument("--heldout", type=Path, help="held-out answers for the runs' eval")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 4, 2, 1], help="micro-batch sizes (samples)")
+    parser.add_argument("--answers-per-run", type=int, default=192, help="answers each run trains on")
+    parser.add_argument("--warmup-answers", type=int, default=16, help="warmup, in answers")
+    parser.add_argument("--evals", type=int, default=2, help="held-out evals per run, evenly spaced")
+    parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one thread each")
+    parser.add_argument("--work", type=Path, default=Path("bench_batch_size"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
+    parser.add_argument("--report-only", action="store_true", help="tabulate WORK/runs/mb*/ without training")
+    args = parser.parse_args()
+
+    if not args.report_only:
+        if args.answers is None or args.heldout is None:
+            sys.exit("--answers and --heldout are needed to train (or pass --report-only)")
+        recipe = resolve_recipe(args.recipe)
+        family = yaml.safe_load(recipe.read_text())["drafter"]["family"]
+        runs = {f"mb{size}": (family, recipe, run_overrides(args, size)) for size in args.sizes}
+        train_runs(runs, args.work, args.jobs, [args.answers, args.heldout])
+    curves = {run.name: learning_curve(run) for run in sorted((args.work / "runs").glob("mb*"))
+              if (run / "metrics.jsonl").is_file()}
+    if not curves:
+        sys.exit(f"no runs under {args.work / 'runs'}")
+    table = markdown(curves)
+    (args.work / "report.md").write_text(table + "\n")
+    (args.work / "results.json").write_text(json.dumps(curves, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
