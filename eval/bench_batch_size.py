@@ -12,20 +12,30 @@ of the tokens seen. Each run trains in a fresh 1-thread process (`--jobs` at a t
 
 Printed (and written to WORK/report.md): held-out acc_0 (the first draft equals the target's top-1) and the
 simulated acceptance length at each eval, by tokens seen, and the training throughput. `--report-only`
-prints the table from WORK/runs/mb*/ without training.
+prints the table from WORK/runs/mb*/ without training. `--padding` prints, without training, what each size's
+packed micro-batches hold over the same answers: rows, padded positions, and attention scores per token.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
 
+import torch
 import yaml
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
 from bench_families import train_runs
+from transformers import AutoTokenizer
 
+from specdraft.config import load_recipe
+from specdraft.data.collate import Collator, pad_token_id_of
+from specdraft.data.pipeline import build_datasets
 from specdraft.recipe_files import resolve_recipe
+from specdraft.target import resolve_target_path
 
 
 def run_overrides(args: argparse.Namespace, size: int) -> list[str]:
@@ -78,6 +88,55 @@ def markdown(curves: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def packed_steps(args: argparse.Namespace) -> dict[int, dict]:
+    """What each micro-batch size's steps hold over the first --answers-per-run answers, batched as training
+    batches them (the recipe's collator, and accelerate's seedable sampler with the recipe's seed): totals
+    over those steps of rows, positions, real tokens, answer tokens, attention scores and the causal pairs
+    within documents.
+
+    A packed step pads every row to its longest. Each layer's linear parts work on every position, padded or
+    not, and the attention scores every pair of positions in a row (a dense [T, T] mask, then SDPA); a
+    document needs only its own causal pairs."""
+    recipe = load_recipe(resolve_recipe(args.recipe), [f"data.path={args.answers}", *args.set])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(recipe.target.path, recipe.target.dtype))
+    answers, _ = build_datasets(recipe.data, tokenizer)
+    collate = Collator(pad_token_id_of(tokenizer), recipe.data.max_length, recipe.data.packing)
+    totals = {}
+    for size in args.sizes:
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=recipe.training.seed))
+        loader = accelerator.prepare(torch.utils.data.DataLoader(
+            answers, batch_size=size, shuffle=True, collate_fn=collate,
+            generator=torch.Generator().manual_seed(recipe.training.seed)))
+        t = dict.fromkeys(["steps", "rows", "positions", "tokens", "answer_tokens", "scores", "causal_pairs"], 0)
+        for batch in itertools.islice(loader, args.answers_per_run // size):
+            mask = batch["attention_mask"].bool()
+            rows, width = mask.shape
+            seq_ids = batch.get("seq_ids", torch.zeros_like(batch["attention_mask"]))
+            documents = (seq_ids + width * torch.arange(rows).unsqueeze(1))[mask]  # one id per row and document
+            lengths = torch.unique(documents, return_counts=True)[1]
+            t["steps"] += 1
+            t["rows"] += rows
+            t["positions"] += rows * width
+            t["tokens"] += int(mask.sum())
+            t["answer_tokens"] += int(batch["loss_mask"].sum())
+            t["scores"] += rows * width * width
+            t["causal_pairs"] += int((lengths * (lengths + 1) // 2).sum())
+        totals[size] = t
+    return totals
+
+
+def padding_markdown(totals: dict[int, dict]) -> str:
+    lines = ["| micro-batch | rows a step | row width | padded positions | positions per answer token "
+             "| attention scores per token | of which a document's own causal pairs |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, t in totals.items():
+        lines.append(f"| {size} | {t['rows'] / t['steps']:.2f} | {t['positions'] / t['rows']:.0f} "
+                     f"| {1 - t['tokens'] / t['positions']:.1%} | {t['positions'] / t['answer_tokens']:.2f} "
+                     f"| {t['scores'] / t['tokens']:.0f} | {t['causal_pairs'] / t['scores']:.1%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="smollm2-135m-eagle3", help="a shipped recipe's name, or a path")
@@ -91,7 +150,15 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("bench_batch_size"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
     parser.add_argument("--report-only", action="store_true", help="tabulate WORK/runs/mb*/ without training")
+    parser.add_argument("--padding", action="store_true",
+                        help="tabulate what each size's packed steps hold over --answers, without training")
     args = parser.parse_args()
+
+    if args.padding:
+        if args.answers is None:
+            sys.exit("--padding reads --answers")
+        print(padding_markdown(packed_steps(args)))
+        return
 
     if not args.report_only:
         if args.answers is None or args.heldout is None:

@@ -1,0 +1,54 @@
+"""eval/bench_batch_size.py's table of what packed steps hold (the logic, not the figures)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+from bench_batch_size import packed_steps
+
+from specdraft.config import load_recipe
+from specdraft.data.pipeline import build_datasets
+from specdraft.recipe_files import resolve_recipe
+from specdraft.target import resolve_target_path
+
+
+def test_packed_steps_count_padding_and_attention_pairs_as_by_hand(tmp_path):
+    answers = tmp_path / "answers.jsonl"
+    texts = ["def f(x): return x", "print('hello world' * 3)", "import os\nos.getcwd()", "a = [i for i in range(9)]"]
+    answers.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Write line {i}."},
+                                                        {"role": "assistant", "content": text}]}) + "\n"
+                               for i, text in enumerate(texts)))
+    overrides = ["data.max_length=384", "data.packing=true", "data.eval_fraction=0"]
+    args = argparse.Namespace(recipe="toy_eagle3", answers=answers, set=overrides, sizes=[1, 4], answers_per_run=4)
+    totals = packed_steps(args)
+
+    recipe = load_recipe(resolve_recipe("toy_eagle3"), [f"data.path={answers}", *overrides])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path("toy"))
+    samples, _ = build_datasets(recipe.data, tokenizer)
+    lengths = [len(s["input_ids"]) for s in samples]
+    answer_tokens = sum(sum(s["loss_mask"][1:]) for s in samples)  # the collator never counts a first token
+    assert len(lengths) == 4 and sum(lengths) <= 384 and len(set(lengths)) > 1
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+
+    # one answer a step: a row each, nothing padded, each row's scores its own length squared
+    one = totals[1]
+    assert (one["steps"], one["rows"], one["positions"], one["tokens"]) == (4, 4, sum(lengths), sum(lengths))
+    assert one["scores"] == sum(n * n for n in lengths)
+    assert one["causal_pairs"] == pairs
+    # all four in one step: packed into one row as wide as all of them, scoring every pair across documents
+    four = totals[4]
+    assert (four["steps"], four["rows"], four["positions"], four["tokens"]) == (1, 1, sum(lengths), sum(lengths))
+    assert four["scores"] == sum(lengths) ** 2
+    assert four["causal_pairs"] == pairs
+    assert one["answer_tokens"] == four["answer_tokens"] == answer_tokens
+
+    # without packing, four rows padded to the longest
+    unpacked = packed_steps(argparse.Namespace(**{**vars(args), "set": [*overrides, "data.packing=false"],
+                                                  "sizes": [4]}))[4]
+    assert (unpacked["rows"], unpacked["positions"], unpacked["tokens"]) == (4, 4 * max(lengths), sum(lengths))
+    assert unpacked["scores"] == 4 * max(lengths) ** 2
+    assert unpacked["causal_pairs"] == pairs
