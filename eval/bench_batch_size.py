@@ -69,7 +69,7 @@ def learning_curve(run_dir: Path) -> dict:
             tokens_at[row["step"]] = tokens
         if "eval/acc_0" in row:
             evals.append({"step": row["step"], "tokens": tokens_at[row["step"]], "acc_0": row["eval/acc_0"],
-                          "sim_accept_len": row["eval/sim_accept_len"]})
+                          "sim_accept_len": row.get("eval/sim_accept_len")})  # EAGLE-1 logs no chain
     return {"micro_batch_size": recipe["training"]["micro_batch_size"], "steps": rows[-1]["step"],
             "evals": evals, "tokens": tokens, "minutes": seconds / 60, "tokens_per_s": tokens / seconds}
 
@@ -83,8 +83,10 @@ def markdown(curves: dict[str, dict]) -> str:
     for c in ordered:
         by_tokens = {e["tokens"]: e for e in c["evals"]}
         cells = [f"{by_tokens[t]['acc_0']:.3f}" if t in by_tokens else "-" for t in points]
+        accepted = c["evals"][-1]["sim_accept_len"]
         lines.append(f"| {c['micro_batch_size']} | {c['steps']} | " + " | ".join(cells)
-                     + f" | {c['evals'][-1]['sim_accept_len']:.3f} | {c['minutes']:.1f} | {c['tokens_per_s']:.0f} |")
+                     + f" | {'-' if accepted is None else f'{accepted:.3f}'} | {c['minutes']:.1f} "
+                     f"| {c['tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
 

@@ -52,3 +52,23 @@ def test_packed_steps_count_padding_and_attention_pairs_as_by_hand(tmp_path):
     assert (unpacked["rows"], unpacked["positions"], unpacked["tokens"]) == (4, 4 * max(lengths), sum(lengths))
     assert unpacked["scores"] == 4 * max(lengths) ** 2
     assert unpacked["causal_pairs"] == pairs
+
+
+def test_a_learning_curve_reads_tokens_and_time_from_the_logs_and_allows_a_family_without_a_chain(tmp_path):
+    from bench_batch_size import learning_curve, markdown
+
+    run = tmp_path / "mb2"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("training:\n  micro_batch_size: 2\n")
+    rows = [{"step": 10, "train/tokens_seen": 1000, "train/tokens_per_s": 100.0},
+            {"step": 10, "eval/acc_0": 0.1},
+            {"step": 20, "train/tokens_seen": 4000, "train/tokens_per_s": 50.0},
+            {"step": 20, "eval/acc_0": 0.2}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    curve = learning_curve(run)
+    # 1000 tokens in 10 s, then 3000 more in 60 s
+    assert curve["tokens"] == 4000 and abs(curve["minutes"] - 70 / 60) < 1e-9
+    assert abs(curve["tokens_per_s"] - 4000 / 70) < 1e-9
+    assert [(e["tokens"], e["acc_0"], e["sim_accept_len"]) for e in curve["evals"]] == [(1000, 0.1, None),
+                                                                                      (4000, 0.2, None)]
+    assert markdown({"mb2": curve}).splitlines()[-1] == "| 2 | 20 | 0.100 | 0.200 | - | 1.2 | 57 |"
