@@ -68,10 +68,16 @@ def learning_curve(run_dir: Path) -> dict:
             seconds += window_tokens / row["train/tokens_per_s"]
             tokens_at[row["step"]] = tokens
         if "eval/acc_0" in row:
+            by_position = [row[f"eval/acc_{j}"] for j in range(len(row)) if f"eval/acc_{j}" in row]
             evals.append({"step": row["step"], "tokens": tokens_at[row["step"]], "acc_0": row["eval/acc_0"],
+                          "acc_by_position": by_position,
                           "sim_accept_len": row.get("eval/sim_accept_len")})  # EAGLE-1 logs no chain
     return {"micro_batch_size": recipe["training"]["micro_batch_size"], "steps": rows[-1]["step"],
             "evals": evals, "tokens": tokens, "minutes": seconds / 60, "tokens_per_s": tokens / seconds}
+
+
+def three_places(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"  # None: the family logs no simulated chain (EAGLE-1)
 
 
 def markdown(curves: dict[str, dict]) -> str:
@@ -83,10 +89,16 @@ def markdown(curves: dict[str, dict]) -> str:
     for c in ordered:
         by_tokens = {e["tokens"]: e for e in c["evals"]}
         cells = [f"{by_tokens[t]['acc_0']:.3f}" if t in by_tokens else "-" for t in points]
-        accepted = c["evals"][-1]["sim_accept_len"]
         lines.append(f"| {c['micro_batch_size']} | {c['steps']} | " + " | ".join(cells)
-                     + f" | {'-' if accepted is None else f'{accepted:.3f}'} | {c['minutes']:.1f} "
+                     + f" | {three_places(c['evals'][-1]['sim_accept_len'])} | {c['minutes']:.1f} "
                      f"| {c['tokens_per_s']:.0f} |")
+    lines += ["", "| micro-batch | tokens | held-out accuracy by draft position | simulated accepted drafts |",
+              "|---:|---:|---|---:|"]
+    for c in ordered:
+        lines += [f"| {c['micro_batch_size']} | {e['tokens'] / 1000:.0f}k | "
+                  + " ".join(f"{a:.3f}".removeprefix("0") for a in e["acc_by_position"])
+                  + f" | {three_places(e['sim_accept_len'])} |"
+                  for e in c["evals"]]
     return "\n".join(lines)
 
 

@@ -61,9 +61,9 @@ def test_a_learning_curve_reads_tokens_and_time_from_the_logs_and_allows_a_famil
     run.mkdir()
     (run / "recipe.yaml").write_text("training:\n  micro_batch_size: 2\n")
     rows = [{"step": 10, "train/tokens_seen": 1000, "train/tokens_per_s": 100.0},
-            {"step": 10, "eval/acc_0": 0.1},
+            {"step": 10, "eval/acc_0": 0.1, "eval/acc_1": 0.05},
             {"step": 20, "train/tokens_seen": 4000, "train/tokens_per_s": 50.0},
-            {"step": 20, "eval/acc_0": 0.2}]
+            {"step": 20, "eval/acc_0": 0.2, "eval/acc_1": 0.125}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     curve = learning_curve(run)
     # 1000 tokens in 10 s, then 3000 more in 60 s
@@ -71,4 +71,7 @@ def test_a_learning_curve_reads_tokens_and_time_from_the_logs_and_allows_a_famil
     assert abs(curve["tokens_per_s"] - 4000 / 70) < 1e-9
     assert [(e["tokens"], e["acc_0"], e["sim_accept_len"]) for e in curve["evals"]] == [(1000, 0.1, None),
                                                                                       (4000, 0.2, None)]
-    assert markdown({"mb2": curve}).splitlines()[-1] == "| 2 | 20 | 0.100 | 0.200 | - | 1.2 | 57 |"
+    assert [e["acc_by_position"] for e in curve["evals"]] == [[0.1, 0.05], [0.2, 0.125]]
+    table = markdown({"mb2": curve}).splitlines()
+    assert table[2] == "| 2 | 20 | 0.100 | 0.200 | - | 1.2 | 57 |"
+    assert table[-2:] == ["| 2 | 1k | .100 .050 | - |", "| 2 | 4k | .200 .125 | - |"]
