@@ -96,6 +96,11 @@ def fitting_prompts(target, prompts: list[Prompt], max_new_tokens: int) -> list[
             < target.config.max_position_embeddings]
 
 
+ANSWERS_FROM_HELP = ("the data folder of another run of this bench (e.g. WORK/data of eval/gpu_real_target.sh's run on "
+                     "a GPU): read the target's answers there instead of generating them, after checking they are "
+                     "this target's at these settings")
+
+
 def add_grid_arguments(parser, work: str, steps: int) -> None:
     """The arguments of a grid benchmark on the toy-sized defaults (eval/bench_distillspec.py, bench_losses.py):
     where the prompts come from, how many, the target's answers, the eval and the training budget."""
@@ -107,6 +112,7 @@ def add_grid_arguments(parser, work: str, steps: int) -> None:
     parser.add_argument("--heldout-answers", type=int, default=24)
     parser.add_argument("--answer-tokens", type=int, default=256)
     parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--answers-from", type=Path, default=None, help=ANSWERS_FROM_HELP)
     parser.add_argument("--per-category", type=int, default=2, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=steps, help="every run's optimizer steps")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -118,13 +124,16 @@ def add_grid_arguments(parser, work: str, steps: int) -> None:
 
 
 def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
-                   dtype: str, batch_size: int = 16, device: str | None = None) -> tuple[Path, dict]:
+                   dtype: str, batch_size: int = 16, device: str | None = None,
+                   answers_from: Path | None = None) -> tuple[Path, dict]:
     """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl (answered on
     ``device``, default the CPU, ``batch_size`` prompts at a time).
 
     Every answer the target gave under these settings accumulates in NAME.all.jsonl, which
     ``regenerate`` resumes by prompt id: asking for more prompts later answers only the new ones,
     and a killed run loses at most one batch. NAME.jsonl is the asked-for subset, rewritten each run.
+    With ``answers_from`` (another run's data folder), the answers are read from there instead:
+    ``answers_made_elsewhere``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,6 +141,10 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     from specdraft.dtypes import slow_cpu_dtype_warning
 
     everything, selected = work / "data" / f"{name}.all.jsonl", work / "data" / f"{name}.jsonl"
+    if answers_from is not None:
+        chosen, record = answers_made_elsewhere(answers_from, target_dir, name, prompts, max_new_tokens, dtype)
+        write_jsonl(selected, chosen)
+        return selected, {"prompts": len(prompts), **record}
     stamp = {"target": str(target_dir.resolve()), "weights": (target_dir / "model.safetensors").stat().st_mtime,
              "max_new_tokens": max_new_tokens, "dtype": dtype}
     stamp_file = everything.with_suffix(".stamp.json")
@@ -169,6 +182,57 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
     return selected, {"prompts": len(prompts), **record}
 
 
+def answers_made_elsewhere(source: Path, target_dir: Path, name: str, prompts: list[dict], max_new_tokens: int,
+                           dtype: str) -> tuple[list[dict], dict]:
+    """The answers to ``prompts`` in SOURCE/NAME.all.jsonl, written by another run of this bench (or of
+    bench_train_and_decode.py, e.g. on a GPU: eval/gpu_real_target.sh), in the prompts' order.
+
+    They are used only if they are this target's greedy answers at these settings: regenerate's record
+    beside them must name the same weights (the fingerprint of ``target_dir`` loaded in ``dtype``), chat
+    template and ``max_new_tokens``, and every prompt must be answered there, with the same question.
+    Returns the answers and where they came from (the source run's own timing record among it).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.data.regenerate import id_field_of, resolve_chat_template, sidecar_of
+    from specdraft.features import weights_fingerprint
+
+    everything = source / f"{name}.all.jsonl"
+    if not everything.is_file() or not sidecar_of(everything).is_file():
+        sys.exit(f"--answers-from {source}: no {everything.name} with regenerate's record beside it "
+                 f"({sidecar_of(everything).name}); name the data folder of a run of this bench")
+    settings = json.loads(sidecar_of(everything).read_text())["settings"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+    template = resolve_chat_template(AutoTokenizer.from_pretrained(target_dir), None)
+    expected = {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
+                "target_weights": weights_fingerprint(model)[:16]}
+    del model
+    differing = [f"{key}: {settings.get(key)!r} there, {value!r} here" for key, value in expected.items()
+                 if settings.get(key) != value]
+    if differing:
+        sys.exit(f"--answers-from {source}: {everything.name} was not written by this target at these settings "
+                 f"(--target, --answer-dtype {dtype}, --answer-tokens {max_new_tokens}): " + "; ".join(differing))
+    id_field = id_field_of(prompts)
+    # Only complete lines: a file another run may still be writing is read, never truncated.
+    text = everything.read_text(encoding="utf-8")
+    by_id = {r[id_field]: r for r in map(json.loads, text[: text.rfind("\n") + 1].split("\n")[:-1])}
+    missing = [p[id_field] for p in prompts if p[id_field] not in by_id]
+    if missing:
+        sys.exit(f"--answers-from {source}: {len(missing)} of the {len(prompts)} {name} prompts are not answered "
+                 f"there (first: {missing[0]}); the same --train-prompts file, --num-train-prompts and "
+                 "--heldout-answers as that run select the same prompts (or a prefix of them)")
+    asked = [turn for p in prompts for turn in p.get("turns", [])[:1]]
+    answered = [next(m["content"] for m in by_id[p[id_field]]["messages"] if m["role"] == "user")
+                for p in prompts if p.get("turns")]
+    if asked != answered:
+        sys.exit(f"--answers-from {source}: its answers under these ids are to other questions")
+    print(f"reusing the target's {len(prompts)} answers in {everything} (the same weights, template and settings)")
+    stamp_file = everything.with_suffix(".stamp.json")
+    made = json.loads(stamp_file.read_text()).get("record", {}) if stamp_file.is_file() else {}
+    return [by_id[p[id_field]] for p in prompts], {"answers_from": str(source), **made}
+
+
 @dataclass
 class GridData:
     """What every run of a grid benchmark shares: the target's answers, the eval prompts, the overrides."""
@@ -184,9 +248,10 @@ class GridData:
 def grid_data(args, target_dir: Path, work: Path) -> GridData:
     """The target's own answers to the training and held-out prompts (``add_grid_arguments``'s settings)."""
     train, heldout, eval_prompts, source = prompt_sets(args)
-    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype)
+    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype,
+                                            answers_from=args.answers_from)
     heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
-                                        args.answer_dtype)
+                                        args.answer_dtype, answers_from=args.answers_from)
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
                  "eval.enabled=false", f"training.max_steps={args.steps}", *args.set]
     return GridData(answers, heldout_answers, answer_record, eval_prompts, source, overrides)
@@ -444,6 +509,7 @@ def main() -> None:
     parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the target's dtype for its training answers: bf16 generates 3x faster on CPU, and "
                              "differs from fp32 greedy only at near-ties")
+    parser.add_argument("--answers-from", type=Path, default=None, help=ANSWERS_FROM_HELP)
     parser.add_argument("--per-category", type=int, default=3, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=None, help="every family's step budget (default: its recipe's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -469,9 +535,10 @@ def main() -> None:
     train, heldout, eval_prompts, source = prompt_sets(args)
     print(f"prompts: {len(train)} to train on, {len(heldout)} held out for training's eval, {len(eval_prompts)} to "
           f"decode, from {source}")
-    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype)
+    answers, answer_record = target_answers(target_dir, work, "answers", train, args.answer_tokens, args.answer_dtype,
+                                            answers_from=args.answers_from)
     heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
-                                        args.answer_dtype)
+                                        args.answer_dtype, answers_from=args.answers_from)
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
                  "eval.enabled=false"] + ([f"training.max_steps={args.steps}"] if args.steps else []) + args.set
     trained = train_all(families, prefix, overrides, work, args.train_jobs, [answers, heldout_answers])

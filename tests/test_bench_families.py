@@ -252,3 +252,44 @@ def test_answers_in_a_half_precision_this_cpu_emulates_warn_with_the_flag_to_cha
     out = capsys.readouterr().out
     assert ("warning: --answer-dtype bfloat16: this CPU has no hardware" in out) == warned
     assert ("Use float32 here: --answer-dtype float32" in out) == warned
+
+
+def test_answers_from_another_run_are_read_there_only_if_this_target_wrote_them(tmp_path, monkeypatch):
+    """--answers-from (e.g. a GPU run's data folder): the asked-for prompts' answers, in their order, without
+    generating; refused when another target, other settings, or missing prompts would be trained on."""
+    from bench_families import target_answers
+    from tiny import save_tiny_target
+
+    from specdraft.data import regenerate
+
+    target = save_tiny_target(tmp_path / "target")
+    prompts = [{"id": f"p{i}", "turns": [f"Question {i}?"]} for i in range(4)]
+    made, _ = target_answers(target, tmp_path / "gpu", "answers", prompts, 3, "float32")
+    made_by_id = {json.loads(line)["id"]: line for line in made.read_text().splitlines()}
+
+    def no_generating(*args, **kwargs):
+        raise AssertionError("--answers-from must not generate")
+
+    monkeypatch.setattr(regenerate, "regenerate", no_generating)
+    asked = [prompts[2], prompts[0]]  # a subset, in another order
+    answers, record = target_answers(target, tmp_path / "here", "answers", asked, 3, "float32",
+                                     answers_from=tmp_path / "gpu" / "data")
+    assert answers == tmp_path / "here" / "data" / "answers.jsonl"
+    assert answers.read_text().splitlines() == [made_by_id["p2"], made_by_id["p0"]]
+    assert record["answers_from"] == str(tmp_path / "gpu" / "data") and record["prompts"] == 2
+
+    def refused(target_dir, prompts, max_new_tokens=3, dtype="float32"):
+        with pytest.raises(SystemExit) as stopped:
+            target_answers(target_dir, tmp_path / "here", "answers", prompts, max_new_tokens, dtype,
+                           answers_from=tmp_path / "gpu" / "data")
+        return str(stopped.value)
+
+    assert "max_new_tokens: 3 there, 5 here" in refused(target, asked, max_new_tokens=5)
+    assert "target_weights" in refused(target, asked, dtype="bfloat16")  # the weights as loaded in that dtype
+    other = save_tiny_target(tmp_path / "other", seed=1)
+    assert "target_weights" in refused(other, asked)
+    assert "1 of the 3 answers prompts are not answered there (first: p9)" in refused(
+        target, asked + [{"id": "p9", "turns": ["Question 9?"]}])
+    assert "to other questions" in refused(target, [{"id": "p1", "turns": ["Another question?"]}])
+    with pytest.raises(SystemExit, match="no answers.all.jsonl with regenerate's record"):
+        target_answers(target, tmp_path / "here", "answers", asked, 3, "float32", answers_from=tmp_path / "none")
