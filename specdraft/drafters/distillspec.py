@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from peft import PeftModel
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -243,7 +244,7 @@ class DistillSpecDrafter(nn.Module):
 
     def lm(self) -> nn.Module:
         """The transformers model itself (for a LoRA student, peft's base model with the adapters in it)."""
-        return self.student.get_base_model() if hasattr(self.student, "peft_config") else self.student
+        return self.student.get_base_model() if isinstance(self.student, PeftModel) else self.student
 
     # -- examples ---------------------------------------------------------------------------------
     def prepare(self, batch: dict[str, torch.Tensor], context: TrainingContext) -> Example:

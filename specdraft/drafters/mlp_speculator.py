@@ -81,6 +81,7 @@ from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss, masked_mean
 from ..masks import counted_rows, rows_at, shift_left
 from ..optim import make_scheduler, recipe_optimization
+from ..target import FrozenTarget
 from .folder import read_drafter_folder, write_drafter_folder
 
 FAMILY = "mlp_speculator"
@@ -206,14 +207,14 @@ class SpeculatorNorm(nn.Module):
 
     def __init__(self, dim: int, learned: bool = True, eps: float = NORM_EPS):
         super().__init__()
-        self.eps = eps
+        self.eps, self.learned = eps, learned
         if learned:
             self.weight = nn.Parameter(torch.ones(dim))
             self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * self.weight + self.bias if hasattr(self, "weight") else x
+        return x * self.weight + self.bias if self.learned else x
 
 
 class SpeculatorHeads(nn.Module):
@@ -246,7 +247,7 @@ class SpeculatorHeads(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Embedding, nn.Linear)):
                 nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, SpeculatorNorm) and hasattr(module, "weight"):
+            elif isinstance(module, SpeculatorNorm) and module.learned:
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
@@ -504,9 +505,9 @@ def make_lr_schedule(optimizer, recipe, total_steps: int):
 class MLPSpeculator(nn.Module):
     family = FAMILY
 
-    def __init__(self, target, cfg: MLPSpeculatorConfig):
+    def __init__(self, target: FrozenTarget, cfg: MLPSpeculatorConfig):
+        """``target`` exposes its final hidden state: a FrozenTarget refuses a model without one."""
         super().__init__()
-        check_final_hidden(target)
         self.needs = mlp_speculator_needs(cfg, target.config)
         self.config = cfg
         self.target_name = getattr(target.config, "_name_or_path", None) or None
@@ -591,15 +592,6 @@ class MLPSpeculator(nn.Module):
 
     def save_pretrained(self, path: str | Path) -> None:
         write_drafter_folder(path, self.hf_config(), self.state_dict())
-
-
-def check_final_hidden(target) -> None:
-    """The heads read the target's final hidden state; a target must say how wide it is and expose it."""
-    if getattr(target, "hidden_size", None) is None or getattr(target, "final_norm", None) is None \
-            or not hasattr(target, "require"):
-        raise SpecdraftError(
-            f"the MLP speculator reads the target's final hidden state, and this target ({type(target).__name__}) does "
-            "not expose one (hidden_size and a final norm): use a Llama-style decoder target")
 
 
 class MLPSpeculatorSource:
