@@ -112,7 +112,7 @@ def add_grid_arguments(parser, work: str, steps: int) -> None:
     parser.add_argument("--heldout-answers", type=int, default=24)
     parser.add_argument("--answer-tokens", type=int, default=256)
     parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--answers-from", type=Path, default=None, help=ANSWERS_FROM_HELP)
+    parser.add_argument("--answers-from", default=None, help=ANSWERS_FROM_HELP)  # a str: results.json dumps args
     parser.add_argument("--per-category", type=int, default=2, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=steps, help="every run's optimizer steps")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -125,7 +125,7 @@ def add_grid_arguments(parser, work: str, steps: int) -> None:
 
 def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict], max_new_tokens: int,
                    dtype: str, batch_size: int = 16, device: str | None = None,
-                   answers_from: Path | None = None) -> tuple[Path, dict]:
+                   answers_from: str | Path | None = None) -> tuple[Path, dict]:
     """The target's own greedy answers to ``prompts``, in their order, as WORK/data/NAME.jsonl (answered on
     ``device``, default the CPU, ``batch_size`` prompts at a time).
 
@@ -142,7 +142,7 @@ def target_answers(target_dir: Path, work: Path, name: str, prompts: list[dict],
 
     everything, selected = work / "data" / f"{name}.all.jsonl", work / "data" / f"{name}.jsonl"
     if answers_from is not None:
-        chosen, record = answers_made_elsewhere(answers_from, target_dir, name, prompts, max_new_tokens, dtype)
+        chosen, record = answers_made_elsewhere(Path(answers_from), target_dir, name, prompts, max_new_tokens, dtype)
         write_jsonl(selected, chosen)
         return selected, {"prompts": len(prompts), **record}
     stamp = {"target": str(target_dir.resolve()), "weights": (target_dir / "model.safetensors").stat().st_mtime,
@@ -509,7 +509,7 @@ def main() -> None:
     parser.add_argument("--answer-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the target's dtype for its training answers: bf16 generates 3x faster on CPU, and "
                              "differs from fp32 greedy only at near-ties")
-    parser.add_argument("--answers-from", type=Path, default=None, help=ANSWERS_FROM_HELP)
+    parser.add_argument("--answers-from", default=None, help=ANSWERS_FROM_HELP)  # a str: results.json dumps args
     parser.add_argument("--per-category", type=int, default=3, help="eval prompts per category")
     parser.add_argument("--steps", type=int, default=None, help="every family's step budget (default: its recipe's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

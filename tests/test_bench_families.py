@@ -293,3 +293,15 @@ def test_answers_from_another_run_are_read_there_only_if_this_target_wrote_them(
     assert "to other questions" in refused(target, [{"id": "p1", "turns": ["Another question?"]}])
     with pytest.raises(SystemExit, match="no answers.all.jsonl with regenerate's record"):
         target_answers(target, tmp_path / "here", "answers", asked, 3, "float32", answers_from=tmp_path / "none")
+
+
+def test_the_grid_arguments_with_answers_from_dump_to_results_json():
+    """The benches write vars(args) into results.json: every argument, --answers-from included, is plain JSON."""
+    import argparse
+
+    from bench_families import add_grid_arguments
+
+    parser = argparse.ArgumentParser()
+    add_grid_arguments(parser, "work", 10)
+    args = parser.parse_args(["--answers-from", "GPU/data"])
+    assert json.loads(json.dumps(vars(args)))["answers_from"] == "GPU/data"
