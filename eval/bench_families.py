@@ -194,8 +194,7 @@ def answers_made_elsewhere(source: Path, target_dir: Path, name: str, prompts: l
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdraft.data.regenerate import id_field_of, resolve_chat_template, sidecar_of
-    from specdraft.features import weights_fingerprint
+    from specdraft.data.regenerate import answerer_fingerprints, id_field_of, resolve_chat_template, sidecar_of
 
     everything = source / f"{name}.all.jsonl"
     if not everything.is_file() or not sidecar_of(everything).is_file():
@@ -204,9 +203,7 @@ def answers_made_elsewhere(source: Path, target_dir: Path, name: str, prompts: l
     settings = json.loads(sidecar_of(everything).read_text())["settings"]
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
     template = resolve_chat_template(AutoTokenizer.from_pretrained(target_dir), None)
-    expected = {"temperature": 0.0, "max_new_tokens": max_new_tokens,
-                "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
-                "target_weights": weights_fingerprint(model)[:16]}
+    expected = {"temperature": 0.0, "max_new_tokens": max_new_tokens, **answerer_fingerprints(model, template)}
     del model
     differing = [f"{key}: {settings.get(key)!r} there, {value!r} here" for key, value in expected.items()
                  if settings.get(key) != value]

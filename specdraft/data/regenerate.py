@@ -111,6 +111,12 @@ def check_settings(output_path: Path, settings: dict) -> None:
             "kinds of answers. Use the same settings, choose another --out, or pass --overwrite to replace it.")
 
 
+def answerer_fingerprints(model, template: str) -> dict:
+    """What the sidecar records of who answered: the chat template's and the weights' fingerprints."""
+    return {"chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
+            "target_weights": weights_fingerprint(model)[:16]}
+
+
 def check_arguments(temperature: float, max_new_tokens: int, batch_size: int, max_samples: int | None) -> None:
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise SpecdraftError(f"--temperature must be a number >= 0 (0 = greedy), got {temperature}")
@@ -264,8 +270,7 @@ def regenerate(
         raise SpecdraftError(f"{input_path} is plain text; regenerate needs chat data (sharegpt, messages or turns).")
     template = resolve_chat_template(tokenizer, chat_template)
     settings = {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed, "format": fmt,
-                "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16],
-                "target_weights": weights_fingerprint(model)[:16]}
+                **answerer_fingerprints(model, template)}
     id_field = id_field_of(records)
     keys = [prompt_key(r, fmt, id_field) for r in records]  # before anything is written: a bad record stops here
     output_path.parent.mkdir(parents=True, exist_ok=True)
