@@ -3,12 +3,14 @@
     python eval/bench_batch_size.py --recipe smollm2-135m-eagle3 --answers WORK/data/answers.jsonl \
         --heldout WORK/data/heldout_answers.jsonl --sizes 8 4 2 1 --answers-per-run 192 --warmup-answers 16 \
         --evals 2 --jobs 2 --work WORK --set target.dtype=float32 --set "training.mixed_precision='no'"
+    python eval/bench_batch_size.py --recipe smollm2-135m-medusa2 --stage-field drafter.joint_from_step ...
 
 Every run trains the recipe on the same answers (the target's own, e.g. eval/bench_families.py's WORK/data)
 for the same number of answers (--answers-per-run), so it sees the same tokens in the same order: only the
 micro-batch size, and so the number of optimizer steps, differs. Warmup and the held-out evals are placed at
 the same answer counts in every run (--warmup-answers, --evals), so the cosine schedule is the same function
-of the tokens seen. Each run trains in a fresh 1-thread process (`--jobs` at a time) into WORK/runs/mbN.
+of the tokens seen. A stage boundary counted in steps (--stage-field) is placed at its share of the recipe's
+run, at the same answer count in every run. Each run trains in a fresh 1-thread process (`--jobs` at a time) into WORK/runs/mbN.
 
 Printed (and written to WORK/report.md): held-out acc_0 (the first draft equals the target's top-1) and the
 simulated acceptance length at each eval, by tokens seen, and the training throughput. `--report-only`
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -49,7 +52,31 @@ def run_overrides(args: argparse.Namespace, size: int) -> list[str]:
             f"training.micro_batch_size={size}", f"optimizer.warmup_steps={max(1, args.warmup_answers // size)}",
             f"training.eval_every={every}", f"training.log_every={every}",
             "training.eval_batches=100000",  # every held-out answer, whatever the batch size
-            "eval.enabled=false", f"checkpoint.save_every={every}", "checkpoint.keep_last=1", *args.set]
+            "eval.enabled=false", f"checkpoint.save_every={every}", "checkpoint.keep_last=1",
+            *stage_overrides(args, size), *args.set]
+
+
+def stage_overrides(args: argparse.Namespace, size: int) -> list[str]:
+    """Each --stage-field (a recipe field counted in optimizer steps: Medusa-2's drafter.joint_from_step, the
+    MLP speculator's drafter.stage2_start_step) at the share of the run it has in the recipe, rounded to the
+    same answer count in every run (a multiple of every size), so each run switches stage after the same
+    answers."""
+    if not args.stage_field:
+        return []
+    recipe = yaml.safe_load(resolve_recipe(args.recipe).read_text())
+    overridden = [key for key in args.stage_field for setting in args.set if setting.startswith(f"{key}=")]
+    if overridden:
+        sys.exit(f"{overridden[0]} is both a --stage-field and a --set: the script places it, so drop the --set")
+    unit = math.lcm(*args.sizes)
+    overrides = []
+    for key in args.stage_field:
+        section, _, field = key.partition(".")
+        value = recipe.get(section, {}).get(field)
+        if not isinstance(value, int) or isinstance(value, bool):
+            sys.exit(f"--stage-field {key}: the recipe has {value!r} there, not a step count")
+        answers = unit * round(value / recipe["training"]["max_steps"] * args.answers_per_run / unit)
+        overrides.append(f"{key}={answers // size}")
+    return overrides
 
 
 def learning_curve(run_dir: Path) -> dict:
@@ -163,6 +190,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one thread each")
     parser.add_argument("--work", type=Path, default=Path("bench_batch_size"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
+    parser.add_argument("--stage-field", action="append", default=[], metavar="KEY",
+                        help="a recipe field counted in optimizer steps (drafter.joint_from_step, "
+                             "drafter.stage2_start_step): placed at the recipe's share of each run")
     parser.add_argument("--report-only", action="store_true", help="tabulate WORK/runs/mb*/ without training")
     parser.add_argument("--padding", action="store_true",
                         help="tabulate what each size's packed steps hold over --answers, without training")

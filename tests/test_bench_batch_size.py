@@ -75,3 +75,28 @@ def test_a_learning_curve_reads_tokens_and_time_from_the_logs_and_allows_a_famil
     table = markdown({"mb2": curve}).splitlines()
     assert table[2] == "| 2 | 20 | 0.100 | 0.200 | - | 1.2 | 57 |"
     assert table[-2:] == ["| 2 | 1k | .100 .050 | - |", "| 2 | 4k | .200 .125 | - |"]
+
+
+
+def test_a_stage_boundary_falls_after_the_same_answers_at_every_size(tmp_path):
+    import pytest
+    import yaml
+    from bench_batch_size import run_overrides
+
+    recipe = yaml.safe_load(resolve_recipe("toy_mlp_speculator").read_text())
+    recipe["training"]["max_steps"] = 1000
+    recipe["drafter"]["stage2_start_step"] = 700
+    path = tmp_path / "two_stages.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    args = argparse.Namespace(recipe=str(path), answers="A", heldout="H", sizes=[8, 2], answers_per_run=192,
+                              warmup_answers=16, evals=2, set=[], stage_field=["drafter.stage2_start_step"])
+    # 70% of 192 answers is 134.4: 136, the nearest multiple of both sizes, so step 17 at 8 and step 68 at 2
+    assert "drafter.stage2_start_step=17" in run_overrides(args, 8)
+    assert "drafter.stage2_start_step=68" in run_overrides(args, 2)
+    without = run_overrides(argparse.Namespace(**{**vars(args), "stage_field": []}), 2)
+    assert not any(o.startswith("drafter.stage2_start_step=") for o in without)
+
+    with pytest.raises(SystemExit, match="both a --stage-field and a --set"):
+        run_overrides(argparse.Namespace(**{**vars(args), "set": ["drafter.stage2_start_step=5"]}), 2)
+    with pytest.raises(SystemExit, match="not a step count"):
+        run_overrides(argparse.Namespace(**{**vars(args), "stage_field": ["drafter.no_such_field"]}), 2)
