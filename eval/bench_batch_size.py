@@ -10,7 +10,8 @@ for the same number of answers (--answers-per-run), so it sees the same tokens i
 micro-batch size, and so the number of optimizer steps, differs. Warmup and the held-out evals are placed at
 the same answer counts in every run (--warmup-answers, --evals), so the cosine schedule is the same function
 of the tokens seen. A stage boundary counted in steps (--stage-field) is placed at its share of the recipe's
-run, at the same answer count in every run. Each run trains in a fresh 1-thread process (`--jobs` at a time) into WORK/runs/mbN.
+run, at the same answer count in every run. Each run trains in a fresh 1-thread process (`--jobs` at a time)
+into WORK/runs/mbN.
 
 Printed (and written to WORK/report.md): held-out acc_0 (the first draft equals the target's top-1) and the
 simulated acceptance length at each eval, by tokens seen, and the training throughput. `--report-only`
@@ -67,6 +68,10 @@ def stage_overrides(args: argparse.Namespace, size: int) -> list[str]:
     overridden = [key for key in args.stage_field for setting in args.set if setting.startswith(f"{key}=")]
     if overridden:
         sys.exit(f"{overridden[0]} is both a --stage-field and a --set: the script places it, so drop the --set")
+    recipe_steps = recipe.get("training", {}).get("max_steps")
+    if not isinstance(recipe_steps, int) or recipe_steps <= 0:
+        sys.exit(f"--stage-field needs the recipe's training.max_steps to place a stage at its share of the run, "
+                 f"and the recipe has {recipe_steps!r}")
     unit = math.lcm(*args.sizes)
     overrides = []
     for key in args.stage_field:
@@ -74,7 +79,7 @@ def stage_overrides(args: argparse.Namespace, size: int) -> list[str]:
         value = recipe.get(section, {}).get(field)
         if not isinstance(value, int) or isinstance(value, bool):
             sys.exit(f"--stage-field {key}: the recipe has {value!r} there, not a step count")
-        answers = unit * round(value / recipe["training"]["max_steps"] * args.answers_per_run / unit)
+        answers = unit * round(value / recipe_steps * args.answers_per_run / unit)
         overrides.append(f"{key}={answers // size}")
     return overrides
 

@@ -100,3 +100,7 @@ def test_a_stage_boundary_falls_after_the_same_answers_at_every_size(tmp_path):
         run_overrides(argparse.Namespace(**{**vars(args), "set": ["drafter.stage2_start_step=5"]}), 2)
     with pytest.raises(SystemExit, match="not a step count"):
         run_overrides(argparse.Namespace(**{**vars(args), "stage_field": ["drafter.no_such_field"]}), 2)
+    recipe["training"]["max_steps"] = None
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(SystemExit, match="needs the recipe's training.max_steps"):
+        run_overrides(args, 2)
