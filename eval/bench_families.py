@@ -491,7 +491,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m-instruct", help="a named target, 'toy', or a folder")
     parser.add_argument("--recipe-prefix", default=None,
@@ -520,7 +520,11 @@ def main() -> None:
     parser.add_argument("--chain-k", action="append", default=[], metavar="FAMILY=K",
                         help="evaluate FAMILY's drafter at chain length K (e.g. the K the verify-cost model "
                              "recommends) instead of the default (5; DFlash: block_size - 1)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
     chosen_k = parse_chain_ks(args.chain_k)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the workers as Ctrl-C does (train_all)

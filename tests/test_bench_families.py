@@ -295,13 +295,15 @@ def test_answers_from_another_run_are_read_there_only_if_this_target_wrote_them(
         target_answers(target, tmp_path / "here", "answers", asked, 3, "float32", answers_from=tmp_path / "none")
 
 
-def test_the_grid_arguments_with_answers_from_dump_to_results_json():
-    """The benches write vars(args) into results.json: every argument, --answers-from included, is plain JSON."""
+def test_the_arguments_with_answers_from_dump_to_results_json():
+    """The benches write vars(args) into results.json: every argument, --answers-from included, is plain JSON,
+    in this bench's own parser and in the grids' (add_grid_arguments)."""
     import argparse
 
-    from bench_families import add_grid_arguments
+    from bench_families import add_grid_arguments, argument_parser
 
-    parser = argparse.ArgumentParser()
-    add_grid_arguments(parser, "work", 10)
-    args = parser.parse_args(["--answers-from", "GPU/data"])
-    assert json.loads(json.dumps(vars(args)))["answers_from"] == "GPU/data"
+    grid = argparse.ArgumentParser()
+    add_grid_arguments(grid, "work", 10)
+    for parser in (grid, argument_parser()):
+        args = parser.parse_args(["--answers-from", "GPU/data"])
+        assert json.loads(json.dumps(vars(args)))["answers_from"] == "GPU/data"
