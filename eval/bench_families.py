@@ -520,6 +520,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chain-k", action="append", default=[], metavar="FAMILY=K",
                         help="evaluate FAMILY's drafter at chain length K (e.g. the K the verify-cost model "
                              "recommends) instead of the default (5; DFlash: block_size - 1)")
+    parser.add_argument("--data-only", action="store_true",
+                        help="make (or reuse) WORK/data/answers.jsonl and heldout_answers.jsonl, then stop: the data "
+                             "eval/bench_batch_size.py and eval/bench_train.py read")
     return parser
 
 
@@ -540,6 +543,9 @@ def main() -> None:
                                             answers_from=args.answers_from)
     heldout_answers, _ = target_answers(target_dir, work, "heldout_answers", heldout, args.answer_tokens,
                                         args.answer_dtype, answers_from=args.answers_from)
+    if args.data_only:
+        print(f"the target's answers: {answers} ({len(train)}), held out: {heldout_answers} ({len(heldout)})")
+        return
     overrides = [f"target.path={target_dir}", f"data.path={answers}", f"data.eval_path={heldout_answers}",
                  "eval.enabled=false"] + ([f"training.max_steps={args.steps}"] if args.steps else []) + args.set
     trained = train_all(families, prefix, overrides, work, args.train_jobs, [answers, heldout_answers])

@@ -307,3 +307,27 @@ def test_the_arguments_with_answers_from_dump_to_results_json():
     for parser in (grid, argument_parser()):
         args = parser.parse_args(["--answers-from", "GPU/data"])
         assert json.loads(json.dumps(vars(args)))["answers_from"] == "GPU/data"
+
+
+def test_data_only_makes_the_answers_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    """--data-only: the training and held-out answers the grids read, from the prompt files given, then a stop."""
+    import bench_families
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"Count to {i}."]}) + "\n" for i in range(5)))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2 + 2?"]}) + "\n")
+    work = tmp_path / "work"
+    monkeypatch.setattr(sys, "argv", ["bench_families.py", "--target", "toy", "--train-prompts", str(train),
+                                      "--eval-prompts", str(questions), "--num-train-prompts", "3",
+                                      "--heldout-answers", "2", "--answer-tokens", "4", "--answer-dtype", "float32",
+                                      "--work", str(work), "--data-only"])
+    bench_families.main()
+    answers = [json.loads(line) for line in (work / "data" / "answers.jsonl").read_text().splitlines()]
+    heldout = [json.loads(line) for line in (work / "data" / "heldout_answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 3 and len(heldout) == 2
+    # the two slices are disjoint: the training slice from the shuffled file's start, the held-out from its end
+    assert not {a["id"] for a in answers} & {h["id"] for h in heldout}
+    assert all(record["messages"][-1]["role"] == "assistant" for record in answers + heldout)
+    assert sorted(path.name for path in work.iterdir()) == ["data"]  # no runs, exports or reports
+    assert "the target's answers:" in capsys.readouterr().out
