@@ -425,7 +425,7 @@ RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*
 HEADS_LR = {"toy_medusa2.yaml": (4.0, 2.5e-4), "smollm2-135m-medusa2.yaml": (20.0, 5e-5)}
 
 
-def test_the_medusa2_recipes_exist_and_name_the_paper_settings():
+def test_the_medusa2_recipes_take_the_papers_settings_and_their_measured_heads_lr():
     assert {p.name for p in RECIPES} == set(HEADS_LR)  # a new recipe states its heads' lr here
     for path in RECIPES:
         recipe = load_recipe(path)
