@@ -8,6 +8,7 @@
                prompts built from the standard library, and it says so); the target answers them
                itself (batched `regenerate`, prompts/s printed), and answers a disjoint held-out slice:
                the training runs' eval set. Cached: a rerun with the same inputs reuses them.
+               --data-only stops here (the answers eval/bench_batch_size.py and the grids read).
   2. train     each family through `specdraft.train.train` with recipes/<target>-<family>.yaml, same
                answers, same step budget, one CPU thread per job (--train-jobs 2 runs two side by
                side); wall clock, tokens seen, trainable parameters and peak memory are recorded. A
