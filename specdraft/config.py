@@ -113,9 +113,8 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     max_new_tokens: int = 64
     prompt_lookup_baseline: bool = True
-    # The target's dtype in this eval. auto: float32 on CPU, where bf16 is no faster to decode and its
-    # rounding flips greedy near-ties between a (K+1)-token verify forward and a 1-token one (see
-    # specdraft/evaluation/mismatch.py); on GPU, the dtype training used. As `specdraft eval --dtype`.
+    # The target's dtype in this eval. auto: the dtype training used, except on a CPU without hardware for it
+    # (bf16 on an AVX2-only CPU), which decodes in float32. As `specdraft eval --dtype`.
     dtype: str = "auto"
     # The verify step: auto = the Triton kernels on CUDA when triton imports, else the pure-torch reference;
     # triton or reference to force one. As `specdraft eval --verify-backend`.

@@ -1,6 +1,10 @@
-"""Dtypes as recipes, saved configs and exports spell them ("bfloat16"), and the torch dtypes they name."""
+"""Dtypes as recipes, saved configs and exports spell them ("bfloat16"), the torch dtypes they name, and the
+dtype each device computes fastest in (the one place that asks the CPU)."""
 
 from __future__ import annotations
+
+import platform
+from pathlib import Path
 
 import torch
 
@@ -54,3 +58,36 @@ def slow_cpu_dtype_warning(settings: dict[str, str | torch.dtype], fix: str) -> 
     return (f"{asked}: this CPU has no hardware for {' or '.join(sorted(set(slow.values())))} matmuls, so torch "
             f"emulates them, many times slower than float32 (a SmolLM2 training step: 18x on an AVX2 CPU). "
             f"Use float32 here: {fix}")
+
+
+def default_dtype(device: str | torch.device) -> str:
+    """The dtype to decode and answer in when none is asked for: bfloat16 on CUDA and on a CPU with hardware for
+    it (AMX or AVX512-BF16, ``cpu_computes_natively``), where a multi-token verify costs little more than a plain
+    step; float32 on a CPU that would emulate bf16 in scalar code."""
+    if torch.device(device).type != "cpu" or cpu_computes_natively("bfloat16"):
+        return "bfloat16"
+    return "float32"
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str | bool]:
+    """This CPU's model and its bf16 hardware as a report names them: {"model", "amx", "avx512_bf16",
+    "bf16_native"}. The flags come from ``cpuinfo`` (Linux; elsewhere False); ``bf16_native`` is oneDNN's own
+    answer, the one every dtype default follows."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "bf16_native": cpu_computes_natively("bfloat16")}
+
+
+def describe_cpu(cpu: dict[str, str | bool]) -> str:
+    """``cpu_description``'s record in one phrase: "Intel(R) Xeon(R) Processor (AMX, bf16 native)"."""
+    hardware = "AMX" if cpu["amx"] else "AVX512-BF16" if cpu["avx512_bf16"] else "no AMX or AVX512-BF16"
+    return f"{cpu['model']} ({hardware}, bf16 {'native' if cpu['bf16_native'] else 'emulated'})"

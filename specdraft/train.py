@@ -46,7 +46,13 @@ from .data.vocab import build_draft_vocab
 from .decoding.sampling import SamplingParams
 from .decoding.sources import PromptLookupSource
 from .drafters import get_family, load_drafter
-from .dtypes import FLOAT32_OVERRIDES, MIXED_PRECISION_DTYPES, resolve_dtype, slow_cpu_dtype_warning
+from .dtypes import (
+    FLOAT32_OVERRIDES,
+    MIXED_PRECISION_DTYPES,
+    cpu_computes_natively,
+    resolve_dtype,
+    slow_cpu_dtype_warning,
+)
 from .errors import SpecdraftError
 from .evaluation.report import format_table
 from .evaluation.run import EvalSettings, evaluate, family_report
@@ -505,8 +511,9 @@ def write_final_drafter(run: Run) -> None:
 def eval_target(recipe: Recipe, target: FrozenTarget) -> FrozenTarget:
     """The target in ``eval.dtype``: the training one when the dtypes agree, else loaded again."""
     wanted = recipe.eval.dtype
-    if wanted == "auto":
-        wanted = "float32" if target.device.type == "cpu" else recipe.target.dtype
+    if wanted == "auto":  # the training dtype, unless this CPU would emulate it
+        native = target.device.type != "cpu" or cpu_computes_natively(recipe.target.dtype)
+        wanted = recipe.target.dtype if native else "float32"
     if resolve_dtype(wanted) == target.lm_head.weight.dtype:
         return target
     print(f"acceptance eval: loading the target in {wanted} (eval.dtype; it trained in {recipe.target.dtype})")

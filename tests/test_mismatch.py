@@ -1,10 +1,8 @@
 """Greedy mismatches are located and judged: a near-tie within the dtype's rounding, or a defect."""
 
-import argparse
-
 import pytest
 import torch
-from tiny import save_tiny_target, tiny_llama, tiny_tokenizer
+from tiny import tiny_llama, tiny_tokenizer
 
 from specdraft.decoding import speculative
 from specdraft.decoding.sources import PromptLookupSource
@@ -95,14 +93,3 @@ def test_a_correct_decoder_has_no_mismatches(target):
     result = eval_run.evaluate(target, {"lookup": PromptLookupSource}, PROMPTS,
                                eval_run.EvalSettings(k=3, max_new_tokens=10, show_progress=False))
     assert result["greedy_identical"] == {"lookup": 1.0} and result["greedy_mismatches"] == {"lookup": []}
-
-
-def test_eval_cli_defaults_to_float32_on_cpu(tmp_path):
-    parser = argparse.ArgumentParser()
-    eval_run.add_arguments(parser)
-    suite = tmp_path / "q.jsonl"
-    suite.write_text('{"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]}\n')
-    args = parser.parse_args(["--target", str(save_tiny_target(tmp_path / "t")), "--prompts", str(suite),
-                              "--prompt-lookup", "--max-new-tokens", "4", "--no-progress"])
-    assert args.dtype is None
-    assert eval_run.run(args) == 0 and args.dtype == "float32"

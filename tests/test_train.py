@@ -333,11 +333,14 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path, m
     assert result["greedy_identical"] == {"eagle3": 1.0, "prompt-lookup": 1.0}
 
 
-@pytest.mark.parametrize("eval_dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
-def test_the_acceptance_eval_runs_the_target_in_eval_dtype(tmp_path, monkeypatch, eval_dtype, expected):
-    """A bf16-trained drafter is evaluated on a float32 target on CPU by default (bf16 rounding flips greedy
-    near-ties between verify and plain forwards), or in the dtype eval.dtype names."""
+@pytest.mark.parametrize("eval_dtype, native, expected", [
+    ("auto", True, torch.bfloat16), ("auto", False, torch.float32), ("bfloat16", False, torch.bfloat16)])
+def test_the_acceptance_eval_runs_the_target_in_eval_dtype(tmp_path, monkeypatch, eval_dtype, native, expected):
+    """A bf16-trained drafter is evaluated in bf16 by default where the CPU computes bf16 natively (AMX,
+    AVX512-BF16), in float32 on a CPU that would emulate it, and in the dtype eval.dtype names if it names one."""
     import specdraft.train as train_module
+
+    monkeypatch.setattr(train_module, "cpu_computes_natively", lambda name: native or name in ("float32", torch.float32))
 
     target = save_tiny_target(tmp_path / "target", num_hidden_layers=8)
     data = make_chat_data(tmp_path / "chat.jsonl", n=16)

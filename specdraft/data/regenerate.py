@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from ..dtypes import resolve_dtype, slow_cpu_dtype_warning
+from ..dtypes import default_dtype, resolve_dtype, slow_cpu_dtype_warning
 from ..errors import SpecdraftError
 from ..features import weights_fingerprint
 from ..sdpa import cudnn_attention_off
@@ -358,7 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=512, help="per answer")
     parser.add_argument("--batch-size", type=int, default=8, help="dialogues generated together")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="auto = bfloat16 on GPU, float32 on CPU")
+                        help="auto = bfloat16 on GPU and on a CPU with hardware for it (AMX, AVX512-BF16), else "
+                             "float32")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code")
     parser.add_argument("--max-samples", type=int, default=None, help="only the first N records")
     parser.add_argument("--chat-template", default=None, help="jinja file or inline template (default: tokenizer's)")
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args.temperature, args.max_new_tokens, args.batch_size, args.max_samples)
     check_paths(args.data, Path(args.out))  # before the target loads
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype = args.dtype if args.dtype != "auto" else default_dtype(device)
     slow = slow_cpu_dtype_warning({"--dtype": dtype}, "--dtype float32 (or auto)") if device == "cpu" else None
     if slow:
         logger.warning(slow)

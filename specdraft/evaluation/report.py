@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from specdraft.evaluation.metrics import MAX_RECOMMENDED_K, predicted_speedup
+from specdraft.evaluation.provenance import describe_machine
 from specdraft.evaluation.verify_cost import ForwardCosts, format_curve
 
 # (header, summary key, format); None values print as "-".
@@ -52,13 +53,13 @@ def headers() -> list[str]:
 
 
 def format_table(result: dict) -> str:
-    """A plain-text table with aligned columns, for the terminal."""
+    """A plain-text table with aligned columns, for the terminal, under a line saying what it was measured on."""
     rows = [headers(), *table_rows(result)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + _footnotes(result))
+    return "\n".join(_machine_lines(result) + lines + _footnotes(result))
 
 
 def format_markdown(result: dict) -> str:
@@ -83,7 +84,9 @@ def write_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
     if result.get("forward_costs"):
         curve = "\n## verify-cost curve on this device (ms per decode step, and v = step / plain step)\n\n" + \
             format_curve(ForwardCosts.from_json(result["forward_costs"])) + "\n"
-    paths["markdown"].write_text(f"# specdraft eval\n\n{_config_line(result)}\n\n{format_markdown(result)}{curve}")
+    machine = "".join(line + "\n\n" for line in _machine_lines(result))
+    paths["markdown"].write_text(f"# specdraft eval\n\n{machine}{_config_line(result)}\n\n{format_markdown(result)}"
+                                 f"{curve}")
     plot_acceptance_by_position(result, paths["acceptance_plot"])
     plot_speedup_heatmap(result, paths["speedup_heatmap"])
     return paths
@@ -169,6 +172,10 @@ def _config_line(result: dict) -> str:
     cfg = result["config"]
     keys = ["k", "temperature", "top_k", "top_p", "max_new_tokens", "num_prompts", "batch_size", "device"]
     return ", ".join(f"{key}={cfg[key]}" for key in keys if key in cfg)
+
+
+def _machine_lines(result: dict) -> list[str]:
+    return [describe_machine(result["measured_on"])] if "measured_on" in result else []
 
 
 def _footnotes(result: dict) -> list[str]:

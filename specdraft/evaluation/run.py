@@ -40,10 +40,11 @@ from specdraft.decoding.speculative import (
 from specdraft.decoding.trees import NAMED_TREES, parse_tree
 from specdraft.decoding.verify import VERIFY_BACKENDS, resolve_verify_backend
 from specdraft.drafters import get_family, load_drafter
-from specdraft.dtypes import resolve_dtype
+from specdraft.dtypes import default_dtype, resolve_dtype
 from specdraft.errors import SpecdraftError
 from specdraft.evaluation import mismatch, report
 from specdraft.evaluation.metrics import summarize
+from specdraft.evaluation.provenance import measured_on
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.evaluation.verify_cost import forward_keys, measure_forward_costs
 from specdraft.target import FrozenTarget, resolve_target_path, stop_token_ids
@@ -178,7 +179,8 @@ def evaluate(
                                       compile_target=compile_target, params=params, verify_backend=verify_backend)
     result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
                                 batch_size, compile_target, verify_backend),
-              "methods": {name: _summaries(records[name], records[PLAIN], k, costs) for name in methods}}  # fmt: skip
+              "methods": {name: _summaries(records[name], records[PLAIN], k, costs) for name in methods},
+              "measured_on": measured_on(device, target.lm_head.weight.dtype)}  # fmt: skip
     if costs is not None:
         result["forward_costs"] = costs.to_json()
     if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
@@ -363,8 +365,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode this many prompts together (tokens/s per request and in total)")
     parser.add_argument("--out", default=None, metavar="DIR", help="write result.json, report.md and PNG plots here")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                        help="default: bfloat16 on CUDA; float32 on CPU, where bf16 is no faster and its "
-                             "rounding flips greedy near-ties between verify and plain forwards")
+                        help="default: bfloat16 on CUDA and on a CPU with hardware for it (AMX, AVX512-BF16); "
+                             "float32 on other CPUs, which emulate bf16 many times slower")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lenience", type=float, default=1.0,
@@ -394,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")
+    args.dtype = args.dtype or default_dtype(device)
     for path in args.drafter:  # a wrong folder fails before the target loads
         if not (Path(path) / "config.json").is_file():
             raise SpecdraftError(
