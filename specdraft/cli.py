@@ -1,18 +1,21 @@
 """``specdraft COMMAND``: one subcommand per module, each with ``add_arguments`` and ``run``.
 
 Modules are imported only when their command runs, so ``specdraft --help`` is instant.
-A ``SpecdraftError`` is the user's to fix: it is printed without a traceback.
+A ``SpecdraftError`` is the user's to fix: it is printed without a traceback. SIGINT and SIGTERM end
+every command with the shell's code for them (130, 143); training inside one stops after a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 
-from .errors import SpecdraftError
+from .errors import SpecdraftError, StoppedBySignal
 
 COMMANDS = {
     "quickstart": ("specdraft.quickstart", "toy target -> EAGLE-3 drafter -> export -> acceptance report"),
@@ -84,10 +87,32 @@ def main(argv: list[str] | None = None) -> int:
         args = cmd_parser.parse_args(argv[1:])
     args.command = name
     try:
-        return int(module.run(args) or 0)
+        with sigterm_raises():
+            return int(module.run(args) or 0)
     except SpecdraftError as e:
         print(f"specdraft {name}: error: {e}", file=sys.stderr)
         return 2
+    except StoppedBySignal as stop:
+        print(f"specdraft {name}: {stop}", file=sys.stderr)
+        return stop.code
+    except KeyboardInterrupt:
+        print(f"specdraft {name}: SIGINT: stopped before it finished", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+@contextmanager
+def sigterm_raises():
+    """SIGTERM raises ``StoppedBySignal`` as SIGINT raises KeyboardInterrupt: the command's ``finally`` blocks and
+    temporary-file cleanups run, and training (which handles both itself) saves a checkpoint first."""
+
+    def stop(signum, frame):
+        raise StoppedBySignal(signum, "stopped before it finished")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from .decoding.trees import NAMED_TREES  # noqa: E402
 from .decoding.verify import resolve_verify_backend, verify_reference, verify_triton  # noqa: E402
 from .drafters import FAMILIES, load_drafter  # noqa: E402
 from .dtypes import FLOAT32_OVERRIDES, cpu_computes_natively  # noqa: E402
-from .errors import SpecdraftError  # noqa: E402
+from .errors import SpecdraftError, StoppedBySignal  # noqa: E402
 from .evaluation.suites import Prompt, prompt_token_ids  # noqa: E402
 from .evaluation.verify_cost import format_curve, measure_forward_costs  # noqa: E402
 from .export import check_exported, export, exporters_of, load_exported  # noqa: E402
@@ -481,6 +481,12 @@ def selftest(device=None, quick: bool = False, out: str | Path = "selftest", fam
                 result = fn(*args)
             ok, detail = result[:2]
             curve = result[2] if len(result) > 2 else curve
+        except (StoppedBySignal, KeyboardInterrupt) as stop:  # the whole self-test ends, reporting the checks done
+            write_report(out, env, checks, curve, time.perf_counter() - started, quick)
+            if show:
+                print(f"  {name}: {str(stop) or 'SIGINT'}; the self-test stops here (report so far: "
+                      f"{out / 'selftest.md'})", flush=True)
+            raise
         except Exception as e:  # noqa: BLE001  a broken check is a failed check; the others still run
             ok = False
             detail = f"{type(e).__name__}: {e}".splitlines()[0][:400]

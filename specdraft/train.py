@@ -53,7 +53,7 @@ from .dtypes import (
     resolve_dtype,
     slow_cpu_dtype_warning,
 )
-from .errors import SpecdraftError
+from .errors import SpecdraftError, StoppedBySignal
 from .evaluation.report import format_table
 from .evaluation.run import EvalSettings, evaluate, family_report
 from .evaluation.suites import load_suite
@@ -137,7 +137,8 @@ class Run:
 
 
 def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_progress: bool = True) -> Path:
-    """Train the recipe's drafter; returns the run folder (with ``drafter/`` when finished)."""
+    """Train the recipe's drafter; returns the run folder (with ``drafter/`` when finished). SIGINT or SIGTERM
+    saves a checkpoint at the next step and raises ``StoppedBySignal``: the command around it ends too."""
     bound_cpu_kernel_caches()  # before the process's first matmul: memory that does not grow with the steps
     needs = check_before_loading(recipe, resume, overwrite)
     run = build_run(recipe, resume, overwrite, needs)
@@ -150,10 +151,12 @@ def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_pr
                 stopped = run_steps(run, stop, bar)
             bar.close()
             if stopped:
-                run.accelerator.print(f"stopped by signal at step {run.state.step}; resume with --resume")
                 run.accelerator.end_training()
-                return run.run_dir
+                raise StoppedBySignal(stop.signum, f"stopped at step {run.state.step}, after its checkpoint in "
+                                      f"{run.run_dir}; resume with `specdraft train RECIPE --resume`")
             finish(run, show_progress)
+    except StoppedBySignal:
+        raise  # after its checkpoint: the run stays, to resume
     except BaseException:
         if run.replacement is not None and run.replacement.pending:  # failed before its first checkpoint
             run.replacement.undo()

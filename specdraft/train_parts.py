@@ -157,10 +157,12 @@ def clip_grad_value(accelerator, parameters, value: float) -> None:
 
 
 class StopRequested:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary and exits 0."""
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary, and ``train`` then raises
+    ``StoppedBySignal`` with the signal's number (``signum``), so the whole command ends."""
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None
         self._old = {}
 
     def __enter__(self):
@@ -170,6 +172,7 @@ class StopRequested:
 
     def _handle(self, signum, frame):
         self.requested = True
+        self.signum = self.signum or signum
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

@@ -22,7 +22,7 @@ from test_train import (  # noqa: F401  (data, fresh_accelerate_state, killed_ru
     check_end_to_end_learns_and_writes_a_self_describing_run,
     check_epochs_count_optimizer_steps_of_grad_accumulation_micro_batches,
     check_lr_warms_up_linearly_then_decays_on_a_cosine_to_the_floor,
-    check_signal_saves_a_checkpoint_and_exits_0, data, fresh_accelerate_state, killed_run, target_dir)
+    check_signal_saves_a_checkpoint_and_exits_with_its_code, data, fresh_accelerate_state, killed_run, target_dir)
 
 
 @pytest.mark.parametrize("mutant, failure", [
@@ -52,8 +52,8 @@ def test_zero3_resume_check_catches_a_resume_that_starts_over(zero3_runs):
 
 
 def test_signal_check_catches_sigint_not_handled(tmp_path, target_dir, data):
-    with pytest.raises(AssertionError, match="SIGINT did not exit 0"):
-        check_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, "SIGINT",
+    with pytest.raises(AssertionError, match="no checkpoint at the signal's step"):
+        check_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, target_dir, data, "SIGINT",
                                                     env={"PROBE_MUTANT": "sigint_not_handled"})
 
 

@@ -3,6 +3,7 @@
 import errno
 import json
 import shutil
+import signal
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from specdraft import dtypes
 from specdraft import train as train_module
 from specdraft.checkpoint import checkpoint_dirs, find_drafter_dir
 from specdraft.config import parse_recipe
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, StoppedBySignal
 from specdraft.optim import make_scheduler
 from specdraft.train import train
 from spine import (KilledRun, assert_logged_lr_schedule, built_killed_run, make_chat_data,
@@ -163,20 +164,23 @@ def test_resume_after_kill_9_gives_identical_weights(killed_run):
     killed_run.check_resume("resumed")
 
 
-def check_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, signal_name, env=None):
+def check_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, target_dir, data, signal_name, env=None):
+    """The shell's code for the signal (130 SIGINT, 143 SIGTERM), after a checkpoint at the step it came in."""
     recipe = write_recipe(tmp_path / "r.yaml", make_recipe(tmp_path, target_dir, data,
                                                            training={"max_steps": 50}))
     out = run_cli(["train", str(recipe), "--no-progress"], env={f"PROBE_{signal_name}_AT_CALL": "9", **(env or {})})
-    assert out.returncode == 0, f"{signal_name} did not exit 0: {out.stderr[-3000:]}"
+    code = 128 + getattr(signal, signal_name)
+    assert out.returncode == code, f"{signal_name} did not exit {code}: {out.stderr[-3000:]}"
     last = checkpoint_dirs(tmp_path / "run")[-1]
     state = json.loads((last / "trainer_state.json").read_text())
-    assert state["reason"] == "signal" and state["run"]["step"] == 5  # call 9 is in step 5
-    assert "resume with --resume" in out.stdout + out.stderr
+    assert state["reason"] == "signal" and state["run"]["step"] == 5, "no checkpoint at the signal's step"
+    assert f"{signal_name}: stopped at step 5" in out.stderr and "--resume" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
-def test_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, signal_name):
-    check_signal_saves_a_checkpoint_and_exits_0(tmp_path, target_dir, data, signal_name)
+def test_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, target_dir, data, signal_name):
+    check_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, target_dir, data, signal_name)
 
 
 def reset_accelerate_state():
@@ -202,8 +206,11 @@ def check_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, target_dir, 
 
     straight = weights(run("straight", "bf16"))
     monkeypatch.setattr(probe_family.Probe, "calls", 0)
-    monkeypatch.setenv("PROBE_SIGTERM_AT_CALL", "7")  # in step 4: it saves there and returns
-    stopped = run("stopped", "bf16")
+    monkeypatch.setenv("PROBE_SIGTERM_AT_CALL", "7")  # in step 4: it saves there and raises
+    with pytest.raises(StoppedBySignal) as stop:
+        run("stopped", "bf16")
+    assert stop.value.code == 128 + signal.SIGTERM
+    stopped = tmp_path / "stopped" / "run"
     assert [p.name for p in checkpoint_dirs(stopped)] == ["step-0000003", "step-0000004"]
     monkeypatch.delenv("PROBE_SIGTERM_AT_CALL")
     resumed = weights(run("stopped", "bf16", resume=True))
