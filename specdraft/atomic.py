@@ -1,14 +1,62 @@
 """Write a folder completely, then swap it into place: a crash or a full disk never leaves half a
-folder where a good one (or nothing) was."""
+folder where a good one (or nothing) was; and replace a folder only where the command wrote all of it."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import SpecdraftError
+
+OWNER_FILE = ".specdraft-owner.json"  # which command wrote a folder, and every entry it wrote there
+
+
+def protected_name(path: Path) -> str | None:
+    """What ``path`` is if no command may replace it: the working directory, ``$HOME``, the root, or a folder
+    above one of them; else None."""
+    where = path.expanduser().resolve()
+    protected = {"the working directory": Path.cwd().resolve(), "your home folder": Path.home().resolve(),
+                 "the root": Path("/")}
+    return next((name for name, folder in protected.items() if folder == where or where in folder.parents), None)
+
+
+def mark_owner(folder: Path, owner: str) -> None:
+    """Record in ``folder`` that ``owner`` (a command, "specdraft export") wrote it and every entry it holds now
+    (written then renamed): ``check_replaceable_output`` then lets ``owner`` replace it, and only it."""
+    entries = sorted(p.name for p in folder.iterdir() if p.name != OWNER_FILE and not p.name.startswith(".owner"))
+    tmp = folder / f".owner-{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"written_by": owner, "entries": entries}, indent=1) + "\n")
+    tmp.replace(folder / OWNER_FILE)
+
+
+def check_replaceable_output(path: Path, owner: str, flag: str) -> None:
+    """Raise unless ``owner`` may replace (``--overwrite``) or write into the existing folder ``path``: never the
+    working directory, ``$HOME``, the root or a folder above them; else an empty folder, or one ``owner`` wrote
+    (``mark_owner``) that holds nothing it did not write. Each refusal names the fix."""
+    name = protected_name(path)
+    if name:
+        raise SpecdraftError(f"{flag} {path} is {name} or holds it: {owner} will not write over it. Give a folder "
+                             f"of its own, e.g. {flag} reports/NAME.")
+    if not path.is_dir() or not any(path.iterdir()):
+        return
+    try:
+        record = json.loads((path / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        record = {}
+    if record.get("written_by") != owner:
+        raise SpecdraftError(f"{flag} {path} holds files that {owner} did not write (it has no {OWNER_FILE} of "
+                             f"{owner}'s), so they stay: choose a new or empty {flag}, or move them out.")
+    own = set(record.get("entries", [])) | {OWNER_FILE}
+    foreign = sorted(p.name for p in path.iterdir() if p.name not in own and not p.name.startswith("."))
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise SpecdraftError(f"{flag} {path} holds files that {owner} did not write ({listed}), so they stay: "
+                             f"move them out, or choose a new or empty {flag}.")
 
 
 def current_umask() -> int:
@@ -19,13 +67,13 @@ def current_umask() -> int:
 
 
 @contextmanager
-def atomic_folder(path: str | Path):
+def atomic_folder(path: str | Path, owner: str | None = None):
     """Yield a temporary folder beside ``path``; when the block succeeds it replaces ``path``.
 
     An existing ``path`` is renamed aside first and deleted only after the swap, so at every
     instant either the old or the new folder is complete. On error the temporary folder is removed.
     The folder gets the permissions any tool's ``mkdir`` gives under the user's umask (``mkdtemp``
-    alone makes it private, 0700).
+    alone makes it private, 0700). ``owner`` (a command) is recorded in it (``mark_owner``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,6 +81,8 @@ def atomic_folder(path: str | Path):
     try:
         tmp.chmod(0o777 & ~current_umask())
         yield tmp
+        if owner:
+            mark_owner(tmp, owner)
         move_into_place(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -266,8 +266,21 @@ def parse_recipe(raw: dict) -> Recipe:
         elif name in required:
             raise SpecdraftError(f"missing required section '{name}'")
     recipe = Recipe(**kwargs)
+    _expand_home(recipe)
     _check_values(recipe)
     return recipe
+
+
+# Recipe fields that name local paths: "~/x" means the home folder's x, as in a shell (not a folder named "~").
+HOME_PATH_FIELDS = (("target", "path"), ("data", "path"), ("data", "eval_path"), ("data", "chat_template"),
+                    ("checkpoint", "output_dir"), ("training", "feature_cache"), ("eval", "prompts"))
+
+
+def _expand_home(recipe: Recipe) -> None:
+    for section, key in HOME_PATH_FIELDS:
+        value = getattr(getattr(recipe, section), key)
+        if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+            setattr(getattr(recipe, section), key, str(Path(value).expanduser()))
 
 
 def _check_values(r: Recipe) -> None:

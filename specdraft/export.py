@@ -34,7 +34,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_folder, describe_bytes, is_disk_full
+from .atomic import atomic_folder, check_replaceable_output, describe_bytes, is_disk_full
 from .checkpoint import damaged_drafter_message, find_drafter_dir
 from .contract import Exporter, ExportOptions, FolderExporter
 from .drafters import FAMILIES, load_drafter
@@ -44,6 +44,7 @@ from .target import resolve_target_path
 from .target_fingerprint import check_target
 
 SIDE_FILE = "specdraft.json"  # where an export came from; engines never read it
+EXPORT_OWNER = "specdraft export"  # atomic.mark_owner's record: --overwrite replaces only what export wrote
 TARGET_EMBED = "model.embed_tokens.weight"  # the token embedding's name in the target's own checkpoint
 
 
@@ -185,7 +186,7 @@ def writing_export(path: Path, need: int):
                              f"{describe_bytes(free)} is free in {path.parent}; {kept}. Free space or choose "
                              "another --out.")
     try:
-        with atomic_folder(path) as tmp:
+        with atomic_folder(path, owner=EXPORT_OWNER) as tmp:
             yield tmp
     except SpecdraftError:
         raise
@@ -217,7 +218,7 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
     proposal length (vLLM's EAGLE-3 config); by default the recipe's ``eval.k``. A target other than
     the one the drafter recorded (``specdraft.target_fingerprint``) is refused unless ``allow_other_target``.
     """
-    given, out_dir = Path(run_or_drafter_dir), Path(out_dir)
+    given, out_dir = Path(run_or_drafter_dir).expanduser(), Path(out_dir).expanduser()
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
         raise SpecdraftError(f"--num-speculative-tokens must be >= 1, got {num_speculative_tokens}")
     source = find_drafter_dir(given)
@@ -232,6 +233,8 @@ def export(run_or_drafter_dir: str | Path, fmt: str, out_dir: str | Path, overwr
         raise SpecdraftError(f"{out_dir} already exists; pass --overwrite to replace it, or choose another --out")
     if out_dir.resolve() == source.resolve() or out_dir.resolve() in source.resolve().parents:
         raise SpecdraftError(f"--out {out_dir} holds the drafter being exported ({source}); choose another --out")
+    if out_dir.exists():  # --overwrite replaces an earlier export, never a folder of the user's
+        check_replaceable_output(out_dir, EXPORT_OWNER, "--out")
 
     recipe = _find_recipe(given, source)
     opts = ExportOptions(
@@ -340,7 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a run folder (final drafter, else newest checkpoint) or a drafter folder")
     parser.add_argument("--format", required=True, help=f"one of {', '.join(all_formats())}")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out if an earlier export wrote it (a folder holding anything else is kept)")
     parser.add_argument("--target", "--verifier", dest="verifier",
                         help="the target's folder or hub id (default: the recipe's target.path): exports that "
                              "ship its token embedding read it there, and formats that name the target write it")

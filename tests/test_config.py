@@ -197,3 +197,15 @@ def test_family_paper_defaults_fill_what_the_recipe_leaves_unset():
         ("linear", 12000, 0.0)
     raw = apply_overrides(yaml.safe_load(yaml.safe_dump(MINIMAL)), ["optimizer.lr=1e-3"])
     assert parse_recipe(raw).optimizer.lr == pytest.approx(1e-3)  # the recipe wins
+
+
+def test_a_path_under_home_is_expanded_as_a_shell_would(monkeypatch, tmp_path):
+    """`checkpoint.output_dir=~/runs/x` is the home folder's runs/x, not a folder named "~" here."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    recipe = parse_recipe(apply_overrides(yaml.safe_load(yaml.safe_dump(MINIMAL)), [
+        "checkpoint.output_dir=~/runs/x", "data.path=~/d.jsonl", "eval.prompts=~/q.jsonl", "target.path=~/model"]))
+    assert recipe.checkpoint.output_dir == str(tmp_path / "runs" / "x")
+    assert recipe.data.path == str(tmp_path / "d.jsonl") and recipe.eval.prompts == str(tmp_path / "q.jsonl")
+    assert recipe.target.path == str(tmp_path / "model")
+    inline = parse_recipe({**MINIMAL, "data": {"path": "d.jsonl", "chat_template": "{{ '~/' }}"}})
+    assert inline.data.chat_template == "{{ '~/' }}"  # an inline template is not a path

@@ -1118,8 +1118,14 @@ def test_output_is_never_overwritten_without_the_flag(e3, tmp_path):
     with pytest.raises(SpecdraftError, match="already exists; pass --overwrite"):
         export(e3[2], "sglang", out)
     assert (out / "keep.txt").read_text() == "mine"
-    export(e3[2], "sglang", out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "specdraft.json"]
+    with pytest.raises(SpecdraftError, match=r"holds files that specdraft export did not write"):
+        export(e3[2], "sglang", out, overwrite=True)  # --overwrite replaces an export, not the user's folder
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    export(e3[2], "sglang", out, overwrite=True)  # an empty folder
+    export(e3[2], "sglang", out, overwrite=True)  # and its own export
+    assert sorted(p.name for p in out.iterdir()) == [".specdraft-owner.json", "config.json", "model.safetensors",
+                                                     "specdraft.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
     with pytest.raises(SpecdraftError, match="holds the drafter being exported"):
         export(e3[2], "hf", e3[2], overwrite=True)

@@ -254,3 +254,77 @@ def test_a_full_disk_writing_the_final_drafter_names_the_checkpoint_and_resume_f
     train(parse_recipe(raw), resume=True, show_progress=False)
     assert (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes() == \
         (checkpoint_dirs(tmp_path / "run")[-1] / "drafter" / "model.safetensors").read_bytes()
+
+
+# -- export and eval --out: --overwrite replaces only what the command wrote ------------------------
+
+
+def run_main(argv: list[str], cwd: Path, monkeypatch) -> int:
+    from specdraft.cli import main
+
+    monkeypatch.chdir(cwd)
+    return main(argv)
+
+
+@pytest.mark.parametrize("where", ["a folder of the user's", "the working directory", "above it", "home"])
+def test_export_overwrite_never_deletes_a_folder_it_did_not_write(built, tmp_path, monkeypatch, capsys, where):
+    root, _ = built
+    user = tmp_path / "proj"
+    (user / "src").mkdir(parents=True)
+    (user / "keep.txt").write_text("the user's")
+    (user / "src" / "main.py").write_text("print('hi')\n")
+    if where == "home":
+        monkeypatch.setenv("HOME", str(user))
+    cwd = {"a folder of the user's": tmp_path, "above it": user / "src"}.get(where, user)
+    out = {"a folder of the user's": user, "the working directory": Path("."), "above it": Path(".."),
+           "home": Path("~")}[where]
+    before = snapshot(user)
+    assert run_main(["export", str(root / "run"), "--format", "hf", "--out", str(out), "--overwrite"], cwd,
+                    monkeypatch) == 2
+    assert snapshot(user) == before
+    err = capsys.readouterr().err
+    assert ("did not write" in err) if where == "a folder of the user's" else ("will not write over it" in err)
+
+
+def test_export_overwrite_replaces_its_own_export_and_refuses_one_the_user_added_to(built, tmp_path, monkeypatch,
+                                                                                   capsys):
+    root, _ = built
+    args = ["export", str(root / "run"), "--format", "hf", "--out", "exp", "--overwrite"]
+    assert run_main(args, tmp_path, monkeypatch) == 0
+    assert run_main(args, tmp_path, monkeypatch) == 0  # its own export: replaced
+    (tmp_path / "exp" / "notes.md").write_text("the user's notes")
+    before = snapshot(tmp_path / "exp")
+    assert run_main(args, tmp_path, monkeypatch) == 2
+    assert snapshot(tmp_path / "exp") == before
+    assert "holds files that specdraft export did not write (notes.md)" in capsys.readouterr().err
+
+
+def eval_args(root: Path, out: str, *flags: str) -> list[str]:
+    suite = root / "questions.jsonl"
+    suite.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Hi there"]}) + "\n")
+    return ["eval", "--target", str(root / "target"), "--prompts", str(suite), "--prompt-lookup",
+            "--max-new-tokens", "3", "-k", "2", "--dtype", "float32", "--no-progress", "--out", out, *flags]
+
+
+def test_eval_out_never_writes_over_the_users_files_and_replaces_its_own_only_when_asked(built, tmp_path,
+                                                                                       monkeypatch, capsys):
+    root, _ = built
+    mine = tmp_path / "myreport"
+    mine.mkdir()
+    (mine / "report.md").write_text("the user's report")
+    (mine / "result.json").write_text("{}")
+    before = snapshot(mine)
+    for flags in ((), ("--overwrite",)):
+        assert run_main(eval_args(root, "myreport", *flags), tmp_path, monkeypatch) == 2
+        assert snapshot(mine) == before
+    assert "did not write" in capsys.readouterr().err
+    assert run_main(eval_args(root, ".", "--overwrite"), tmp_path, monkeypatch) == 2  # the working directory
+    assert snapshot(mine) == before
+
+    assert run_main(eval_args(root, "rep"), tmp_path, monkeypatch) == 0
+    first = snapshot(tmp_path / "rep")
+    assert run_main(eval_args(root, "rep"), tmp_path, monkeypatch) == 2  # an earlier report: only with --overwrite
+    assert snapshot(tmp_path / "rep") == first
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert run_main(eval_args(root, "rep", "--overwrite"), tmp_path, monkeypatch) == 0
+    assert (tmp_path / "rep" / "report.md").read_text() != ""

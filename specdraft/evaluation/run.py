@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.config import MAX_DRAFTS_PER_STEP
+from specdraft.atomic import check_replaceable_output, mark_owner
 from specdraft.contract import DraftSource
 from specdraft.decoding.rows import fresh_sources
 from specdraft.decoding.compiled_verify import compiled_verify
@@ -51,6 +52,7 @@ from specdraft.target import FrozenTarget, resolve_target_path, stop_token_ids
 from specdraft.target_fingerprint import check_target
 
 PLAIN = "plain"
+EVAL_OWNER = "specdraft eval"  # atomic.mark_owner's record: --overwrite replaces only an earlier eval's report
 
 
 @dataclass(frozen=True)
@@ -363,7 +365,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=1,
                         help="decode this many prompts together (tokens/s per request and in total)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="write result.json, report.md and PNG plots here")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write result.json, report.md and PNG plots here (a new or empty folder)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the report an earlier eval wrote in --out (a folder holding anything else is "
+                             "kept)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                         help="default: bfloat16 on CUDA and on a CPU with hardware for it (AMX, AVX512-BF16); "
                              "float32 on other CPUs, which emulate bf16 many times slower")
@@ -392,6 +398,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise SpecdraftError(f"{flag} must be >= 1, got {value}")
     if args.out:  # before anything runs: an eval whose report cannot be written is time thrown away
+        args.out = str(Path(args.out).expanduser())
+        check_report_folder(Path(args.out), args.overwrite)
         check_writable_folder(Path(args.out), "--out")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -457,8 +465,17 @@ def run(args: argparse.Namespace) -> int:
         family_report(name, target, drafter, args.prompts, args.max_new_tokens,
                       args.out and Path(args.out) / name, args.num_prompts, args.prefix_tokens)
     if args.out:
+        mark_owner(Path(args.out), EVAL_OWNER)
         print(f"\nwrote {', '.join(result['files'].values())}")
     return 0
+
+
+def check_report_folder(out: Path, overwrite: bool) -> None:
+    """``--out`` is new or empty, or (with ``--overwrite``) an earlier eval's report and nothing else."""
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise SpecdraftError(f"--out {out} already holds files; pass --overwrite to replace an earlier eval's report "
+                             "there, or choose a new --out")
+    check_replaceable_output(out, EVAL_OWNER, "--out")
 
 
 def check_decoding_sizes(k: int, max_new_tokens: int, k_name: str = "k (drafts per step)",
