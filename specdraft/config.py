@@ -224,7 +224,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise SpecdraftError(f"override {item!r}: '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+        try:
+            node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise SpecdraftError(f"override {item!r}: the value is not valid YAML ({problem}); quote a string "
+                                 f"(key='text') or close the list (key=[a, b])") from e
     return raw
 
 

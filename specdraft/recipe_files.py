@@ -34,9 +34,14 @@ def shipped_recipes() -> dict[str, Path]:
 
 def resolve_recipe(name_or_path: str | Path) -> Path:
     """A recipe file: ``name_or_path`` itself if it exists, else the shipped recipe of that name."""
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.yaml"))
+        hint = f": it holds {', '.join(inside[:3])}" if inside else ""
+        raise SpecdraftError(f"recipe {name_or_path} is a folder, not a recipe file{hint}. Give the .yaml file "
+                             f"(e.g. {path / (inside[0] if inside else 'recipe.yaml')}).")
     shipped = shipped_recipes()
     name = path.name.removesuffix(".yaml")
     if path.parent == Path(".") or path.parent.name == "recipes":  # `toy_eagle3` or `recipes/toy_eagle3.yaml`

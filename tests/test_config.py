@@ -62,6 +62,8 @@ def test_overrides_set_nested_values_with_yaml_types():
         ("training.mixed_precision=no", "YAML reads no, yes, on and off as booleans, so quote the word"),
         ("training.epochs=2", "exactly one of 'training.max_steps' and 'training.epochs'"),
         ("drafter.family=medusa9", "unknown drafter family 'medusa9'"),
+        ("x.y=[", "the value is not valid YAML"),
+        ("optimizer.betas=[", "quote a string (key='text') or close the list"),
     ],
 )
 def test_mistakes_name_the_dotted_key(override, message):
@@ -209,3 +211,10 @@ def test_a_path_under_home_is_expanded_as_a_shell_would(monkeypatch, tmp_path):
     assert recipe.target.path == str(tmp_path / "model")
     inline = parse_recipe({**MINIMAL, "data": {"path": "d.jsonl", "chat_template": "{{ '~/' }}"}})
     assert inline.data.chat_template == "{{ '~/' }}"  # an inline template is not a path
+
+
+def test_a_folder_given_as_a_recipe_is_named_as_a_folder(tmp_path):
+    (tmp_path / "exp1").mkdir()
+    (tmp_path / "exp1" / "recipe.yaml").write_text(yaml.safe_dump(MINIMAL))
+    with pytest.raises(SpecdraftError, match=r"is a folder, not a recipe file: it holds recipe.yaml"):
+        load_recipe(tmp_path / "exp1")

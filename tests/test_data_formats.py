@@ -162,3 +162,15 @@ def test_normalize(tmp_path):
 
     text = normalize(datasets.Dataset.from_list([{"body": "hi", "n": 1}]), "text", text_field="body")
     assert text.column_names == ["text"] and text[0]["text"] == "hi"
+
+
+def test_a_line_that_is_not_utf8_or_not_json_is_named_with_its_number(tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(good.encode() + b"\n" + good.replace("hi", "caf\xe9").encode("latin-1") + b"\n")
+    with pytest.raises(SpecdraftError, match=r"latin1.jsonl:2 is not UTF-8 text \(byte 0xe9 at column"):
+        load_raw(str(latin1))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(good + "\n" + good + "\n" + good[:-3] + "\n")
+    with pytest.raises(SpecdraftError, match=r"broken.jsonl:3 is not valid JSON"):
+        load_raw(str(broken))

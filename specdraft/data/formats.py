@@ -12,6 +12,7 @@ system / user / assistant / tool; plain text becomes ``{"text": str}``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import SpecdraftError
@@ -73,6 +74,7 @@ def load_raw(path: str, split: str = "train") -> datasets.Dataset | Records:
                                      f"{INSTALL}. Local .json/.jsonl/.parquet files read without it.")
             dataset = read_local_file(local)
         elif local.is_file():
+            check_text_lines(local)
             dataset = datasets.load_dataset(FILE_BUILDERS[local.suffix.lower()], data_files=str(local), split="train")
         elif local.is_dir():
             # datasets' folder loader maps file names (train.jsonl, test-*.parquet, ...) to splits.
@@ -82,6 +84,8 @@ def load_raw(path: str, split: str = "train") -> datasets.Dataset | Records:
     except SpecdraftError:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, DatasetNotFoundError, ...)
+        if local.is_file() and local.suffix.lower() == ".jsonl":
+            check_json_lines(local)  # names the first line that is not JSON, if that was the trouble
         raise SpecdraftError(
             f"could not load data {path!r} (split {split!r}): {type(e).__name__}: {e}\n"
             "Give data.path a local .jsonl/.json/.parquet file or folder, or a reachable hub dataset id, "
@@ -90,6 +94,33 @@ def load_raw(path: str, split: str = "train") -> datasets.Dataset | Records:
     if len(dataset) == 0:
         raise SpecdraftError(f"data {path!r} (split {split!r}) has no records. Point data.path at a non-empty dataset.")
     return dataset
+
+
+def check_text_lines(path: Path) -> None:
+    """A .json/.jsonl file is UTF-8 throughout (JSON's encoding), or the error names its first bad line: pyarrow
+    would read the bytes and fail later, deep inside a record, naming neither."""
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        return
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecdraftError(f"{path}:{number} is not UTF-8 text (byte {line[e.start]:#04x} at column "
+                                     f"{e.start + 1}); JSON files are UTF-8: re-encode the file "
+                                     "(e.g. iconv -f latin1 -t utf-8) or drop that line.") from e
+
+
+def check_json_lines(path: Path) -> None:
+    """Raise naming the first line of a JSONL file that is not one JSON value; return if every line is."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    raise SpecdraftError(f"{path}:{number} is not valid JSON ({e}); each line of a .jsonl file is "
+                                         "one record: fix or drop that line.") from e
 
 
 def _has_no_records(path: Path) -> bool:
