@@ -63,6 +63,10 @@ def find_drafter_dir(path: str | Path) -> Path:
     if (path / "drafter" / "config.json").is_file():
         return path / "drafter"
     ckpts = checkpoint_dirs(path)
+    if (path / "drafter").is_dir():  # a final drafter that lost its config: not silently an older checkpoint
+        newest = f"; the newest checkpoint's is {ckpts[-1] / 'drafter'}, which you can name instead" if ckpts else ""
+        raise SpecdraftError(f"{path / 'drafter'} has no config.json, so it is not a whole drafter{newest}. "
+                             "`specdraft train RECIPE --resume` on a finished run writes it again.")
     if ckpts:
         return ckpts[-1] / "drafter"
     raise SpecdraftError(

@@ -1145,6 +1145,13 @@ def test_newest_checkpoint_is_exported_when_the_run_has_no_final_drafter(e3, tmp
     config, tensors = read(export(run, "vllm", tmp_path / "vllm"))
     assert torch.equal(tensors["fc.weight"], torch.full((64, 192), 10.0))
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir.resolve())
+    # A final drafter that lost its config.json is named, not passed over for an older checkpoint.
+    drafter = eagle3(target)
+    drafter.save_pretrained(run / "drafter")
+    (run / "drafter" / "config.json").unlink()
+    with pytest.raises(SpecdraftError, match=r"drafter has no config.json.*newest checkpoint's is .*step-0000010"):
+        export(run, "vllm", tmp_path / "vllm2")
+    assert not (tmp_path / "vllm2").exists()
 
 
 def test_rope_is_written_in_both_transformers_spellings():
