@@ -90,11 +90,16 @@ def atomic_folder(path: str | Path, owner: str | None = None):
 
 def move_into_place(folder: Path, path: Path) -> None:
     """Rename ``folder`` to ``path``. An existing ``path`` is renamed aside first and deleted only after the
-    swap, so at every instant a complete folder is at ``path`` or beside it."""
+    swap, so at every instant a complete folder is at ``path`` or beside it; if the swap itself fails, the old
+    folder is renamed back."""
     if path.exists():
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         path.rename(old)
-        folder.rename(path)
+        try:
+            folder.rename(path)
+        except BaseException:
+            old.rename(path)
+            raise
         shutil.rmtree(old)
     else:
         folder.rename(path)

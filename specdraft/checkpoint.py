@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .atomic import describe_bytes, is_disk_full, separate_tensors
+from .atomic import describe_bytes, is_disk_full, move_into_place, separate_tensors
 from .errors import SpecdraftError
 
 STATE_FILE = "trainer_state.json"
@@ -285,9 +285,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, opt
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            move_into_place(tmp, final)  # a checkpoint of this step saved again: the old one goes after the swap
     except Exception as e:  # torch.save wraps ENOSPC in a RuntimeError, safetensors in a SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = checkpoint_dirs(run_dir)
@@ -301,8 +299,18 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, opt
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         for old in checkpoint_dirs(run_dir)[:-keep_last]:
-            shutil.rmtree(old)
+            prune(old)
+        for left in root.glob(".pruned-step-*"):  # an earlier prune that a kill cut short
+            shutil.rmtree(left, ignore_errors=True)
     return final
+
+
+def prune(ckpt: Path) -> None:
+    """Delete a checkpoint: renamed out of ``checkpoint_dirs``' sight first, so a kill in the middle of the delete
+    never leaves a half-deleted folder that still looks like a checkpoint."""
+    gone = ckpt.with_name(f".pruned-{ckpt.name}")
+    ckpt.rename(gone)
+    shutil.rmtree(gone)
 
 
 def load_checkpoint(accelerator, ckpt: Path, drafter, trained, optimizer, scheduler) -> dict:

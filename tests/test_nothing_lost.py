@@ -328,3 +328,68 @@ def test_eval_out_never_writes_over_the_users_files_and_replaces_its_own_only_wh
     assert "pass --overwrite" in capsys.readouterr().err
     assert run_main(eval_args(root, "rep", "--overwrite"), tmp_path, monkeypatch) == 0
     assert (tmp_path / "rep" / "report.md").read_text() != ""
+
+
+class Killed(BaseException):
+    """A kill -9 at that instant: nothing after it runs (no except Exception, no cleanup of the step)."""
+
+
+def test_a_kill_while_pruning_never_leaves_a_half_checkpoint_and_resume_works(built, tmp_path, monkeypatch):
+    """keep_last prunes the oldest checkpoint; a kill halfway through its delete (trained.safetensors gone,
+    trainer_state.json still there) must not leave a folder that checkpoint_dirs and --resume take for one."""
+    root, raw = built
+    raw = json.loads(json.dumps(raw))
+    raw["checkpoint"].update(output_dir=str(tmp_path / "run"), keep_last=1)
+    raw["training"]["max_steps"] = 6
+    real = shutil.rmtree
+
+    def killed_halfway(path, *args, **kwargs):
+        path = Path(path)
+        if (path / "trained.safetensors").is_file() and (path / "trainer_state.json").is_file():
+            (path / "trained.safetensors").unlink()
+            raise Killed
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module.shutil, "rmtree", killed_halfway)
+    with pytest.raises(Killed):
+        train(parse_recipe(raw), show_progress=False)  # step 6's checkpoint is written, then step 3's is pruned
+    monkeypatch.setattr(ckpt_module.shutil, "rmtree", real)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-0000006"]
+    assert all((c / "trained.safetensors").is_file() for c in checkpoint_dirs(tmp_path / "run"))
+    raw["training"]["max_steps"] = 9
+    train(parse_recipe(raw), resume=True, show_progress=False)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-0000009"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".pruned-*"))  # the cut-short prune was finished
+
+
+@pytest.mark.parametrize("failing", [1, 2, 3])
+def test_a_failure_at_each_step_of_the_swap_leaves_a_complete_folder(tmp_path, monkeypatch, failing):
+    """atomic_folder's swap (rename the old folder aside, rename the new one in, delete the old): whichever of
+    its filesystem steps fails, a complete folder is at the path (steps 1-2: the old one; 3: the new one)."""
+    from specdraft import atomic
+
+    path = tmp_path / "out"
+    path.mkdir()
+    (path / "a.txt").write_text("old a")
+    (path / "b.txt").write_text("old b")
+    steps = []
+    real_rename, real_rmtree = Path.rename, shutil.rmtree
+
+    def step(real):
+        def run(*args, **kwargs):
+            steps.append(real.__name__)
+            if len(steps) == failing:
+                raise OSError(errno.EIO, "injected")
+            return real(*args, **kwargs)
+        return run
+
+    with pytest.raises(OSError, match="injected"):
+        with atomic.atomic_folder(path) as tmp:
+            (tmp / "a.txt").write_text("new a")
+            (tmp / "b.txt").write_text("new b")
+            monkeypatch.setattr(Path, "rename", step(real_rename))
+            monkeypatch.setattr(atomic.shutil, "rmtree", step(real_rmtree))
+    monkeypatch.undo()
+    assert steps[:failing] == ["rename", "rename", "rmtree"][:failing]  # the step that failed is the one named
+    expected = "new" if failing == 3 else "old"
+    assert {p.name: p.read_text() for p in path.iterdir()} == {"a.txt": f"{expected} a", "b.txt": f"{expected} b"}
