@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -105,14 +106,25 @@ def move_into_place(folder: Path, path: Path) -> None:
         folder.rename(path)
 
 
-def is_disk_full(error: BaseException) -> bool:
-    """Whether a write failed for want of space: an ``OSError`` with ENOSPC/EDQUOT, or a library's
-    wrapper of one (torch.save's ``RuntimeError``, safetensors' ``SafetensorError``), which carry
-    the message only."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
+def disk_full_reason(error: BaseException) -> str | None:
+    """Why a write failed for want of room, or None: the disk or a quota is full (ENOSPC, EDQUOT), or a file size
+    limit was reached (EFBIG: ``ulimit -f``). Libraries wrap these and keep only the message: torch.save's
+    RuntimeError ("unexpected pos": fewer bytes written than asked), safetensors' ("os error 28" / "27")."""
+    codes = {errno.ENOSPC: "the disk is full (ENOSPC)", errno.EDQUOT: "the disk quota is full (EDQUOT)",
+             errno.EFBIG: "a file size limit was reached (EFBIG; see `ulimit -f`)"}
+    if isinstance(error, OSError) and error.errno in codes:
+        return codes[error.errno]
     text = str(error).lower()
-    return "no space left" in text or "disk quota" in text or "file write failed" in text
+    if "file write failed" in text or "unexpected pos" in text:  # torch.save's words for either: which applies?
+        limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+        return codes[errno.EFBIG if limited else errno.ENOSPC]
+    if "no space left" in text or "os error 28" in text:
+        return codes[errno.ENOSPC]
+    if "disk quota" in text:
+        return codes[errno.EDQUOT]
+    if "file too large" in text or "os error 27" in text:
+        return codes[errno.EFBIG]
+    return None
 
 
 def describe_bytes(n: int | float) -> str:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .atomic import describe_bytes, is_disk_full, move_into_place, separate_tensors
+from .atomic import describe_bytes, disk_full_reason, move_into_place, separate_tensors
 from .errors import SpecdraftError
 
 STATE_FILE = "trainer_state.json"
@@ -290,9 +290,12 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, drafter, trained, opt
         shutil.rmtree(tmp, ignore_errors=True)
         previous = checkpoint_dirs(run_dir)
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-        reason = getattr(e, "strerror", None) or str(e)
-        fix = (f"A checkpoint needs about {describe_bytes(need)}: free that much in {root}" if is_disk_full(e)
-               else "Fix the cause")
+        full = disk_full_reason(e)
+        detail = getattr(e, "strerror", None)  # an OSError's own words ("... 100 B free"); a library's are noise
+        reason = f"{full}: {detail}" if full and detail else full or detail or str(e)
+        room = "raise the file size limit (`ulimit -f unlimited`)" if full and "EFBIG" in full else \
+            f"free that much in {root}"
+        fix = f"A checkpoint needs about {describe_bytes(need)}: {room}" if full else "Fix the cause"
         raise SpecdraftError(
             f"could not write checkpoint step {step} ({reason}); {kept}. {fix} and resume with --resume."
         ) from e

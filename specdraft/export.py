@@ -34,7 +34,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_folder, check_replaceable_output, describe_bytes, is_disk_full
+from .atomic import atomic_folder, check_replaceable_output, describe_bytes, disk_full_reason
 from .checkpoint import damaged_drafter_message, find_drafter_dir
 from .contract import Exporter, ExportOptions, FolderExporter
 from .drafters import FAMILIES, load_drafter
@@ -191,7 +191,7 @@ def writing_export(path: Path, need: int):
     except SpecdraftError:
         raise
     except Exception as e:  # safetensors reports a full disk as a SafetensorError, shutil as an OSError
-        full = " (the disk is full)" if is_disk_full(e) else ""
+        full = f" ({disk_full_reason(e)})" if disk_full_reason(e) else ""
         raise SpecdraftError(f"could not write the export {path}{full}: {getattr(e, 'strerror', None) or e}. It needs "
                              f"about {describe_bytes(need)}; {kept}.") from e
 

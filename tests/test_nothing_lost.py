@@ -6,6 +6,7 @@ sentinel files), and each test checks the sentinels and the old run survive byte
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -393,3 +394,29 @@ def test_a_failure_at_each_step_of_the_swap_leaves_a_complete_folder(tmp_path, m
     assert steps[:failing] == ["rename", "rename", "rmtree"][:failing]  # the step that failed is the one named
     expected = "new" if failing == 3 else "old"
     assert {p.name: p.read_text() for p in path.iterdir()} == {"a.txt": f"{expected} a", "b.txt": f"{expected} b"}
+
+
+def test_a_file_size_limit_during_a_checkpoint_is_reported_as_such_with_the_bytes_needed(built, tmp_path):
+    """`ulimit -f` (EFBIG, which torch.save and safetensors report in words of their own): the user is told the
+    limit was reached and how much a checkpoint needs, and the earlier checkpoint stays whole."""
+    import resource
+    import subprocess
+    import sys
+
+    root, raw = built
+    biggest = max(f.stat().st_size for f in (root / "run" / "checkpoints").rglob("*") if f.is_file())
+    raw = make_recipe(tmp_path, raw["target"]["path"], raw["data"]["path"], training={"max_steps": 6})
+    recipe = write_recipe(tmp_path / "recipe.yaml", raw)
+    limit = biggest // 2
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    tests = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, str(tests / "run_probe_train.py"), "train", str(recipe), "--no-progress"],
+                         env={**os.environ, "PYTHONPATH": str(tests), "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "a file size limit was reached (EFBIG" in out.stderr and "A checkpoint needs about" in out.stderr
+    assert "ulimit -f" in out.stderr and "Traceback" not in out.stderr
+    assert not checkpoint_dirs(tmp_path / "run") and not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
