@@ -88,7 +88,19 @@ def test_dialogues_without_answers_are_skipped_and_counted(tmp_path, tokenizer, 
     with caplog.at_level(logging.WARNING, logger="specdraft.data.pipeline"):
         train, _ = build_datasets(DataConfig(path=path, eval_fraction=0.0), tokenizer)
     assert len(train) == 5
-    assert "skipped 2 of 7 samples: no assistant turn" in caplog.text
+    assert f"skipped 2 of 7 samples of {path}: no assistant turn (records 5, 6, counting from 0)" in caplog.text
+
+
+def test_an_answer_before_any_question_is_skipped_and_its_record_named(tmp_path, tokenizer, caplog):
+    """assistant -> user -> assistant: the first answer answers nothing; the record is named, not trained on."""
+    answer_first = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "gpt", "value": "Hello!"},
+                                      {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yes?"}]}
+    path = write_jsonl(tmp_path / "chat.jsonl", [dialogue(0), answer_first, dialogue(2)])
+    with caplog.at_level(logging.WARNING, logger="specdraft.data.pipeline"):
+        train, _ = build_datasets(DataConfig(path=path, eval_fraction=0.0), tokenizer)
+    assert len(train) == 2
+    assert "skipped 1 of 3 samples" in caplog.text and "an assistant message before any user message" in caplog.text
+    assert "(records 1, counting from 0)" in caplog.text
 
 
 def test_prompt_only_data_points_to_regenerate(tmp_path, tokenizer):
@@ -131,7 +143,7 @@ def test_template_errors_skip_the_sample(tmp_path, tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="specdraft.data.pipeline"):
         train, _ = build_datasets(DataConfig(path=path, chat_template=strict, eval_fraction=0.0), tokenizer)
     assert len(train) == 1
-    assert "skipped 1 of 2 samples: chat template failed" in caplog.text
+    assert f"skipped 1 of 2 samples of {path}: chat template failed (records 1, counting from 0)" in caplog.text
 
 
 def test_vocab_cache_key_follows_data_content(tmp_path, tokenizer):

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 NO_ASSISTANT = "no assistant turn"
 TEMPLATE_ERROR = "chat template failed"
 NOTHING_LEFT = "no assistant token within max_length"
+ANSWER_FIRST = "an assistant message before any user message (an answer to no question)"
 
 # Declared, not inferred: a first batch of dropped (empty) samples would otherwise type the column as null.
 # (None without datasets: Records keep the Python ints the tokenizer returns.)
@@ -63,6 +64,8 @@ def tokenize_file(cfg: "DataConfig", path: str, tokenizer) -> datasets.Dataset |
             input_ids, loss_mask = tokenize_text(record["text"], tokenizer)
         elif not any(m["role"] == "assistant" for m in record["messages"]):
             return {"input_ids": [], "loss_mask": [], "length": 0, "dropped": NO_ASSISTANT}
+        elif next(m["role"] for m in record["messages"] if m["role"] != "system") == "assistant":
+            return {"input_ids": [], "loss_mask": [], "length": 0, "dropped": ANSWER_FIRST}
         else:
             try:
                 input_ids, loss_mask = tokenize_dialogue(record["messages"], tokenizer, template)
@@ -103,7 +106,9 @@ def _drop_untrainable(tokenized: datasets.Dataset | Records, path: str, max_leng
             f"(the shortest has {min(lengths)}). Raise data.max_length."
         )
     for reason, count in dropped.items():
-        logger.warning("skipped %d of %d samples: %s", count, total, reason)
+        first = [str(i) for i, r in enumerate(reasons) if r == reason][:3]
+        logger.warning("skipped %d of %d samples of %s: %s (records %s%s, counting from 0)", count, total, path,
+                       reason, ", ".join(first), " ..." if count > len(first) else "")
     truncated = sum(n > max_length for n in lengths)
     if truncated:
         logger.warning("truncated %d of %d samples to data.max_length=%d tokens", truncated, total, max_length)
