@@ -338,12 +338,30 @@ def _start_or_resume(run: Run, resume: bool) -> None:
 
 @dataclass
 class LogWindow:
-    """What this process trained on since the last log line."""
+    """What this process trained on since the last log line, kept on the device: read once, at the log line."""
 
     history: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    tokens: int = 0
+    steps: list[int] = field(default_factory=list)  # the optimizer step each micro-batch of ``history`` is in
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    counted: int = 0  # micro-batches of ``history`` and ``tokens`` already checked and added to the run's tokens
     started: float = field(default_factory=time.perf_counter)
     prepare_seconds_at_start: float = 0.0
+
+
+def check_losses_finite(run: Run, window: LogWindow, checked: int = 0) -> None:
+    """Raise naming the first micro-batch whose loss was not finite, from ``window.history[checked:]``: one host
+    read, at a log line or before a checkpoint (never after a bad step), instead of one in every step."""
+    losses = torch.stack([h["loss"] for h in window.history[checked:]])
+    finite = torch.isfinite(losses)
+    if bool(finite.all()):
+        return
+    first = int((~finite).nonzero()[0, 0])
+    last = checkpoint_dirs(run.run_dir)
+    kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+    raise SpecdraftError(
+        f"loss is {losses[first].item()} at step {window.steps[checked + first]} (epoch {run.state.epoch}); stopped, "
+        f"{kept}. Lower optimizer.lr, set training.max_grad_norm, or use bf16 instead of fp16."
+    )
 
 
 def run_steps(run: Run, stop: StopRequested, bar) -> bool:
@@ -361,14 +379,21 @@ def run_steps(run: Run, stop: StopRequested, bar) -> bool:
             state.batches_in_epoch += 1
             metrics, tokens = train_micro_batch(run, batch)
             window.history.append(metrics)
-            window.tokens += tokens
-            state.tokens += tokens * accelerator.num_processes
+            window.steps.append(state.step + 1)
+            window.tokens.append(tokens)
             if not accelerator.sync_gradients:
                 continue
             run.scheduler.step()
             release_freed_memory()  # the step's activations are freed: their pages go back (CPU, glibc)
             state.step += 1
             bar.update(1)
+            saving = state.step % run.recipe.checkpoint.save_every == 0 or stop.requested
+            if saving or state.step % tcfg.log_every == 0 or state.step == run.total_steps:
+                # the window's host reads, at most once a log line: losses finite, tokens counted
+                check_losses_finite(run, window, window.counted)
+                counted = window.tokens[window.counted:]
+                state.tokens += int(torch.stack(counted).sum()) * accelerator.num_processes if counted else 0
+                window.counted = len(window.tokens)
             if state.step % tcfg.log_every == 0 or state.step == run.total_steps:
                 logs = log_train(run, window, inner.prepare_seconds)
                 bar.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in logs.items()
@@ -377,7 +402,7 @@ def run_steps(run: Run, stop: StopRequested, bar) -> bool:
             if tcfg.eval_every and state.step % tcfg.eval_every == 0:
                 log_metrics(run, heldout_loss(run))
                 run.evaluated_at = state.step
-            if state.step % run.recipe.checkpoint.save_every == 0 or stop.requested:
+            if saving:
                 save(run, "signal" if stop.requested else "periodic")
             if stop.requested:
                 return True
@@ -388,26 +413,20 @@ def run_steps(run: Run, stop: StopRequested, bar) -> bool:
     return False
 
 
-def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-    """Forward (prepare + loss), backward, and at an accumulation boundary clip and step."""
+def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Forward (prepare + loss), backward, and at an accumulation boundary clip and step; no host read (the loss,
+    metrics and token count stay on the device until the log line)."""
     accelerator, tcfg, state = run.accelerator, run.recipe.training, run.state
     with accelerator.accumulate(run.step_module):
         loss, metrics, tokens = run.step_module(batch, state.step)
-        if not torch.isfinite(loss):
-            last = checkpoint_dirs(run.run_dir)
-            kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
-            raise SpecdraftError(
-                f"loss is {loss.item()} at step {state.step + 1} (epoch {state.epoch}); stopped, {kept}. "
-                "Lower optimizer.lr, set training.max_grad_norm, or use bf16 instead of fp16."
-            )
-        accelerator.backward(loss)
+        accelerator.backward(loss)  # a non-finite loss is caught at the next log line or checkpoint
         if accelerator.sync_gradients and tcfg.clip_grad_value:
             clip_grad_value(accelerator, run.step_module.parameters(), tcfg.clip_grad_value)
         if accelerator.sync_gradients and tcfg.max_grad_norm:
             accelerator.clip_grad_norm_(run.step_module.parameters(), tcfg.max_grad_norm)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}, int(tokens)
+    return {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}, tokens.detach()
 
 
 def save(run: Run, reason: str) -> None:
@@ -427,7 +446,7 @@ def log_train(run: Run, window: LogWindow, prepare_seconds: float) -> dict[str, 
     """The window's metrics, each a mean over this process's micro-batches and then over the processes;
     throughput over this window only, so warm-up does not dilute it."""
     local = mean_over_batches(window.history)
-    local["_tokens"] = float(window.tokens)
+    local["_tokens"] = torch.stack(window.tokens).sum()
     local["_prepare_seconds"] = prepare_seconds - window.prepare_seconds_at_start
     reduced = mean_over_processes(run.accelerator, local)
     elapsed = max(time.perf_counter() - window.started, 1e-9)

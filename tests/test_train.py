@@ -4,6 +4,7 @@ import errno
 import json
 import shutil
 import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -510,3 +511,32 @@ def test_half_precision_a_cpu_would_emulate_is_warned_about_with_the_fix(tmp_pat
     else:
         assert len(about) == 1 and about[0].startswith("training.mixed_precision bfloat16: this CPU has no hardware")
         assert "target.dtype=float32 training.mixed_precision='no'" in about[0]
+
+
+def test_the_loop_reads_nothing_back_from_the_device_between_log_lines(tmp_path, target_dir, data, monkeypatch):
+    """A host read (``.item()``, ``bool()``, ``int()``, ``.tolist()``: on CUDA each waits for the device) made by the
+    loop itself (specdraft/train.py) happens at log lines and checkpoints, never in every step: a run of 16 steps
+    makes exactly as many as a run of 4 with the same log lines (the last step's only)."""
+    reads = []
+
+    def counted(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller == train_module.__file__:
+                reads.append(name)
+            return real(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    made = {}
+    for steps in (4, 16):
+        reads.clear()
+        raw = make_recipe(tmp_path / str(steps), target_dir, data, training={"max_steps": steps, "log_every": 1000},
+                          checkpoint={"save_every": 1000})
+        train(parse_recipe(raw), show_progress=False)
+        made[steps] = list(reads)
+    assert made[16] == made[4], made
+    assert len(made[4]) <= 4, made  # the last step's log line: losses finite, tokens counted (and the final save)
