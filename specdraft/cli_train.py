@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .config import load_recipe
+from .errors import SpecdraftError
 from .features import cache_features
+from .recipe_files import resolve_recipe
 from .train import train
 
 
@@ -23,6 +26,18 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "cache-features":
         print(f"feature cache written to {cache_features(recipe)}")
         return 0
+    if not args.resume:  # (a resume may read the run's own recipe.yaml)
+        check_recipe_outside_run(resolve_recipe(args.recipe), Path(recipe.checkpoint.output_dir))
     run_dir = train(recipe, resume=args.resume, overwrite=args.overwrite, show_progress=not args.no_progress)
     print(f"run folder: {run_dir}")
     return 0
+
+
+def check_recipe_outside_run(recipe_file: Path, run_dir: Path) -> None:
+    """A new run's recipe is an input: never inside the run folder, where the run writes its own ``recipe.yaml``
+    (and ``--overwrite`` would replace the folder)."""
+    if run_dir.resolve() in recipe_file.resolve().parents:
+        raise SpecdraftError(
+            f"the recipe {recipe_file} is inside checkpoint.output_dir {run_dir}, where the run writes its own "
+            f"recipe.yaml: keep your recipe outside the run folder (e.g. {run_dir.name}.yaml beside it), or set "
+            "checkpoint.output_dir to another folder.")

@@ -420,3 +420,19 @@ def test_a_file_size_limit_during_a_checkpoint_is_reported_as_such_with_the_byte
     assert "a file size limit was reached (EFBIG" in out.stderr and "A checkpoint needs about" in out.stderr
     assert "ulimit -f" in out.stderr and "Traceback" not in out.stderr
     assert not checkpoint_dirs(tmp_path / "run") and not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("flags", [(), ("--overwrite",)])
+def test_a_recipe_inside_the_run_folder_it_names_is_never_written_over(built, tmp_path, flags):
+    """`recipes copy toy_eagle3 exp1/recipe.yaml`, an edit, then `train exp1/recipe.yaml checkpoint.output_dir=exp1`:
+    the user's recipe is an input, refused as a run folder's place (with or without --overwrite), and kept."""
+    root, raw = built
+    raw = json.loads(json.dumps(raw))
+    raw["checkpoint"]["output_dir"] = str(tmp_path / "exp1")
+    (tmp_path / "exp1").mkdir()
+    recipe = write_recipe(tmp_path / "exp1" / "recipe.yaml", raw)
+    before = snapshot(tmp_path / "exp1")
+    out = run_cli(["train", str(recipe), "--no-progress", *flags], cwd=tmp_path)
+    assert_refused(out, "is inside checkpoint.output_dir")
+    assert "keep your recipe outside the run folder" in out.stderr
+    assert snapshot(tmp_path / "exp1") == before
