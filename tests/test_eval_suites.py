@@ -241,7 +241,7 @@ def test_cli_bad_input(tmp_path):
         (["--prompts", str(suite), "-k", "0"], "-k must be"),
         (["--prompts", str(empty), "--prompt-lookup"], "is empty"),
         (["--prompts", str(suite), "--draft-model", str(other_dir)], "--map-draft-vocab"),
-        (["--prompts", str(suite), "--drafter", str(tmp_path)], "not a saved drafter"),
+        (["--prompts", str(suite), "--drafter", str(tmp_path)], "is not a drafter .*Give a run folder"),
         (["--prompts", str(suite), "--prompt-lookup", "--batch-size", "2", "--compile-target"], "batches run eager"),
     ]
     for extra, message in cases:
@@ -337,3 +337,29 @@ def test_cli_tree_methods(tmp_path, capsys, monkeypatch):
     result = json.loads((tmp_path / "batch" / "result.json").read_text())
     assert result["config"]["batch_size"] == 2 and set(depths) == {(False, 1), (True, 3)}
     assert result["greedy_identical"] == {"heads": 1.0, "heads tree:medusa-8": 1.0}
+
+
+def test_eval_reads_every_folder_export_reads_or_writes(tmp_path):
+    """A run (its final drafter), a drafter folder, and an export: eval loads what export accepts and writes."""
+    import yaml
+
+    from specdraft.drafters import get_family
+    from specdraft.export import export
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    target = FrozenTarget.from_pretrained(target_dir, dtype="float32")
+    fam = get_family("medusa1")
+    fam.build(target, fam.config_cls(num_heads=2)).save_pretrained(tmp_path / "run" / "drafter")
+    (tmp_path / "run" / "recipe.yaml").write_text(yaml.safe_dump({"target": {"path": str(target_dir)}}))
+    export(tmp_path / "run", "vllm", tmp_path / "vllm")
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    args = cli_args(["--target", str(target_dir), "--drafter", str(tmp_path / "run"), "--drafter",
+                     str(tmp_path / "vllm"), "--drafter", str(tmp_path / "run" / "drafter"), "--prompts", str(suite),
+                     "--num-prompts", "1", "-k", "2", "--max-new-tokens", "6", "--dtype", "float32", "--no-progress",
+                     "--out", str(tmp_path / "out")])  # fmt: skip
+    assert eval_run.run(args) == 0
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert list(result["methods"]) == ["plain", "run", "vllm", "run-2"]
+    assert result["greedy_identical"] == {"run": 1.0, "vllm": 1.0, "run-2": 1.0}
+    tau = {m: result["methods"][m]["overall"]["acceptance_length"] for m in ("run", "vllm", "run-2")}
+    assert len(set(tau.values())) == 1, tau  # the same heads, however they were read

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.config import MAX_DRAFTS_PER_STEP
 from specdraft.atomic import check_replaceable_output, mark_owner
+from specdraft.checkpoint import find_drafter_dir
 from specdraft.contract import DraftSource
 from specdraft.decoding.rows import fresh_sources
 from specdraft.decoding.compiled_verify import compiled_verify
@@ -48,6 +49,7 @@ from specdraft.evaluation.metrics import summarize
 from specdraft.evaluation.provenance import measured_on
 from specdraft.evaluation.suites import Prompt, load_suite, prompt_token_ids
 from specdraft.evaluation.verify_cost import forward_keys, measure_forward_costs
+from specdraft.export import SIDE_FILE, load_exported
 from specdraft.target import FrozenTarget, resolve_target_path, stop_token_ids
 from specdraft.target_fingerprint import check_target
 
@@ -405,11 +407,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or default_dtype(device)
-    for path in args.drafter:  # a wrong folder fails before the target loads
-        if not (Path(path) / "config.json").is_file():
-            raise SpecdraftError(
-                f"--drafter {path} is not a saved drafter (no config.json); point at a run's drafter folder."
-            )
+    folders = [drafter_folder(path) for path in args.drafter]  # a wrong folder fails before the target loads
     target = FrozenTarget.from_pretrained(
         resolve_target_path(args.target, args.dtype), dtype=args.dtype,
         trust_remote_code=args.trust_remote_code, device=device,
@@ -417,10 +415,12 @@ def run(args: argparse.Namespace) -> int:
 
     sources: dict[str, Callable[[], DraftSource]] = {}
     drafters = {}
-    for path in args.drafter:
+    for path in folders:
         # Each loaded drafter declares what it reads, and the target computes that from then on.
         name = _unique_name(sources, drafter_name(path))
-        drafters[name] = load_drafter(path, target, args.allow_other_target).eval()
+        loaded = load_exported(path, target) if (path / SIDE_FILE).is_file() else \
+            load_drafter(path, target, args.allow_other_target)
+        drafters[name] = loaded.eval()
         sources[name] = drafters[name].draft_source(target)
         for method, source in tree_methods(name, drafters[name], target, args.tree).items():
             sources[_unique_name(sources, method)] = source
@@ -501,6 +501,19 @@ def check_writable_folder(folder: Path, name: str) -> None:
     except OSError as e:
         raise SpecdraftError(f"{name} {folder} cannot be written ({e.strerror or e}); choose a folder you can "
                              "write to") from e
+
+
+def drafter_folder(path: str) -> Path:
+    """The folder ``--drafter`` names, to load: an export (``specdraft export`` wrote it), a drafter folder, or a
+    run (its final drafter, else its newest checkpoint's), as ``specdraft export`` reads them."""
+    folder = Path(path).expanduser()
+    if (folder / SIDE_FILE).is_file():
+        return folder
+    try:
+        return find_drafter_dir(folder)
+    except SpecdraftError as e:
+        raise SpecdraftError(f"--drafter {path} is not a drafter ({e}). Give a run folder (RUN), a drafter folder "
+                             "(RUN/drafter, RUN/checkpoints/step-N/drafter) or a folder `specdraft export` wrote.") from e
 
 
 def drafter_name(path) -> str:
