@@ -1,6 +1,6 @@
 """What a measurement ran on, as every eval report names it: the device and dtype, the CPU (its model and whether
-it has AMX), specdraft's commit and the date. A speedup means nothing without them: the same eval measured
-1.45x in bf16 and 1.11x in float32 on one AMX CPU."""
+it has AMX), specdraft's commit and the date. A speedup means nothing without them: the same eval on one CPU
+differs several-fold between a dtype the CPU computes natively and one it emulates."""
 
 from __future__ import annotations
 
