@@ -1,6 +1,6 @@
 """What a measurement ran on, as every eval report names it: the device and dtype, the CPU (its model and whether
 it has AMX), specdraft's commit and the date. A speedup means nothing without them: the same eval on one CPU
-differs several-fold between a dtype the CPU computes natively and one it emulates."""
+differs between a dtype the CPU computes natively and one it emulates, and between CPUs."""
 
 from __future__ import annotations
 
