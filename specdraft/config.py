@@ -53,6 +53,10 @@ class DataConfig:
     chat_template: str | None = None  # jinja file or inline template; None = the tokenizer's
     max_length: int = 2048
     packing: bool = False
+    # The shapes batches take: dynamic = as wide as each batch's longest row (no compute on padding, the CPU's
+    # choice); buckets = micro_batch_size rows of one of 4 widths (max_length / 8, / 4, / 2, max_length), so a
+    # GPU meets 4 shapes a run, not a new one every step (plans, compiled graphs); auto = buckets on CUDA.
+    shapes: str = "auto"
     eval_fraction: float = 0.02  # ignored when eval_path is set
     # A separate eval file (same format), e.g. answers to prompts from held-out sources: the eval
     # metrics then measure generalisation, as decoding on new prompts will, not memory of the training set.
@@ -292,6 +296,9 @@ def _check_values(r: Recipe) -> None:
     t = r.training
     if (t.max_steps is None) == (t.epochs is None):
         raise SpecdraftError("set exactly one of 'training.max_steps' and 'training.epochs'")
+    if r.data.shapes == "buckets" and r.training.feature_cache:
+        raise SpecdraftError("'data.shapes' buckets needs the target's features at each batch's shape, which a "
+                             "feature cache (training.feature_cache) does not store: use data.shapes: dynamic")
     choices = {
         "training.mixed_precision": (t.mixed_precision, ("no", "bf16", "fp16")),
         "optimizer.schedule": (r.optimizer.schedule, ("cosine", "linear", "constant")),
@@ -299,6 +306,7 @@ def _check_values(r: Recipe) -> None:
         "eval.dtype": (r.eval.dtype, ("auto", "bfloat16", "float16", "float32")),
         "eval.verify_backend": (r.eval.verify_backend, VERIFY_BACKENDS),
         "data.format": (r.data.format, ("auto", "sharegpt", "messages", "turns", "text")),
+        "data.shapes": (r.data.shapes, ("auto", "dynamic", "buckets")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:

@@ -39,7 +39,7 @@ from .checkpoint import (
 )
 from .config import Recipe
 from .contract import Drafter, TargetNeeds, TrainingContext
-from .data.collate import Collator, pad_token_id_of
+from .data.collate import Collator, bucket_widths, pad_token_id_of
 from .data.formats import check_data_source
 from .data.pipeline import build_datasets, data_fingerprint, vocab_cache_key_parts
 from .data.vocab import build_draft_vocab
@@ -229,7 +229,8 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     if recipe.target.gradient_checkpointing:
         target.checkpoint_activations()
     caches = open_feature_caches(recipe, target, needs)
-    collate = Collator(pad_token_id_of(target.tokenizer), recipe.data.max_length, recipe.data.packing)
+    collate = Collator(pad_token_id_of(target.tokenizer), recipe.data.max_length, recipe.data.packing,
+                       **batch_shapes(recipe, accelerator.device))
     if caches is not None:  # offline mode: batches carry sample indices to find their cached features
         train_ds = train_ds.add_column("sample_index", list(range(len(train_ds))))
         eval_ds = eval_ds.add_column("sample_index", list(range(len(eval_ds))))
@@ -528,6 +529,15 @@ def write_final_drafter(run: Run) -> None:
             f"{describe_bytes(sum(f.stat().st_size for f in (last / 'drafter').rglob('*') if f.is_file()))}) and run "
             "`specdraft train RECIPE --resume`, which writes it, or export that checkpoint directly."
         ) from e
+
+
+def batch_shapes(recipe: Recipe, device: torch.device) -> dict:
+    """The Collator's fixed shapes for ``data.shapes`` (auto: buckets on CUDA, dynamic elsewhere, and with a
+    feature cache, whose features are stored at each sample's own length)."""
+    if recipe.data.shapes == "dynamic" or recipe.training.feature_cache or \
+            (recipe.data.shapes == "auto" and device.type != "cuda"):
+        return {}
+    return {"rows": recipe.training.micro_batch_size, "widths": bucket_widths(recipe.data.max_length)}
 
 
 def eval_target(recipe: Recipe, target: FrozenTarget) -> FrozenTarget:

@@ -31,6 +31,11 @@ def attention_mask_4d(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return block_causal_mask(batch["attention_mask"], batch.get("seq_ids"))
 
 
+def bucket_widths(max_length: int) -> tuple[int, ...]:
+    """The 4 widths a bucketed batch may take: max_length / 8, / 4, / 2 and max_length (each at least 1)."""
+    return tuple(sorted({max(1, max_length // d) for d in (8, 4, 2)} | {max_length}))
+
+
 def pack(lengths: list[int], max_length: int) -> list[list[int]]:
     """First-fit: sample indices grouped into rows whose lengths sum to at most ``max_length``."""
     rows: list[list[int]] = []
@@ -47,12 +52,18 @@ def pack(lengths: list[int], max_length: int) -> list[list[int]]:
 
 
 class Collator:
-    """``collate_fn`` for a DataLoader over ``build_datasets`` output (``input_ids``, ``loss_mask``)."""
+    """``collate_fn`` for a DataLoader over ``build_datasets`` output (``input_ids``, ``loss_mask``).
 
-    def __init__(self, pad_token_id: int, max_length: int, packing: bool = False):
+    ``rows`` (the micro-batch size) with ``widths`` (``bucket_widths``) gives every batch ``rows`` rows and the
+    narrowest width that holds it: a run meets ``len(widths)`` shapes. The added rows and columns are padding,
+    masked as all padding is."""
+
+    def __init__(self, pad_token_id: int, max_length: int, packing: bool = False, rows: int | None = None,
+                 widths: tuple[int, ...] | None = None):
         self.pad_token_id = pad_token_id
         self.max_length = max_length
         self.packing = packing
+        self.rows, self.widths = rows, widths
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         docs = [(list(s["input_ids"])[: self.max_length], list(s["loss_mask"])[: self.max_length]) for s in samples]
@@ -61,6 +72,10 @@ class Collator:
         else:
             rows = [[i] for i in range(len(docs))]
         width = max(sum(len(docs[i][0]) for i in row) for row in rows)  # pad to the longest row only
+        if self.widths:
+            width = next(w for w in self.widths if w >= width)
+        if self.rows:
+            rows += [[] for _ in range(self.rows - len(rows))]
 
         shape = (len(rows), width)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)

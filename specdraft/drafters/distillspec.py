@@ -271,6 +271,7 @@ class DistillSpecDrafter(nn.Module):
         rows, prompts = [], []  # rows: (tokens, loss mask) per sample; None where the student writes the answer
         for row, regenerate in enumerate(chosen):
             length = int(attention[row].sum())
+            regenerate = regenerate and length > 0  # a padding row (fixed batch shapes) stays empty
             answer = loss_mask[row, :length].nonzero()
             prompt = ids[row, : int(answer[0]) if len(answer) else length]
             if regenerate and prompt.numel() + self.config.generation_max_new_tokens > context:
