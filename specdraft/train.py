@@ -70,6 +70,7 @@ from .train_parts import (
     append_jsonl,
     bound_cpu_kernel_caches,
     check_fsdp,
+    check_trackers_installed,
     check_target_stays_whole,
     clip_grad_value,
     deepspeed_arguments,
@@ -178,6 +179,7 @@ def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> Targe
     data files, the eval prompt file, the feature cache, and what the family needs of this target
     (from its config alone). A mistake then costs seconds, not a load. Returns those needs."""
     check_run_dir(recipe, resume, overwrite)
+    check_trackers_installed(recipe.tracking.trackers)
     if resume:
         resume_changes(recipe, Path(recipe.checkpoint.output_dir))
         check_resumed_data(recipe)

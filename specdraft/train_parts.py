@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import json
 import os
 import signal
@@ -154,6 +155,16 @@ def clip_grad_value(accelerator, parameters, value: float) -> None:
 
 
 # -- FSDP (end) ---------------------------------------------------------------------------------
+
+
+def check_trackers_installed(trackers: list[str]) -> None:
+    """Each tracker a recipe names is installed (they are extras: ``specdraft[wandb]``, ``specdraft[tensorboard]``),
+    or the error names the extra, before anything loads."""
+    for tracker in trackers:
+        if tracker != "none" and importlib.util.find_spec(tracker) is None:
+            raise SpecdraftError(f"tracking.trackers names {tracker}, which is not installed: pip install "
+                                 f"'specdraft[{tracker}]', or set tracking.trackers: [none] (metrics.jsonl is always "
+                                 "written).")
 
 
 class StopRequested:

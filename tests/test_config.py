@@ -218,3 +218,23 @@ def test_a_folder_given_as_a_recipe_is_named_as_a_folder(tmp_path):
     (tmp_path / "exp1" / "recipe.yaml").write_text(yaml.safe_dump(MINIMAL))
     with pytest.raises(SpecdraftError, match=r"is a folder, not a recipe file: it holds recipe.yaml"):
         load_recipe(tmp_path / "exp1")
+
+
+def test_the_trackers_are_extras_and_a_missing_one_names_its_extra(monkeypatch):
+    """`pip install specdraft` pulls neither wandb nor tensorboard; a recipe naming one that is missing is refused
+    before anything loads, naming `specdraft[wandb]`; the test extra installs both, so CI covers them."""
+    import importlib.util
+    import tomllib
+
+    from specdraft import train_parts
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith(("wandb", "tensorboard"))]
+    extras = project["optional-dependencies"]
+    assert extras["wandb"] == ["wandb>=0.18"] and extras["tensorboard"] == ["tensorboard>=2.15"]
+    assert {"wandb>=0.18", "tensorboard>=2.15"} <= set(extras["test"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    train_parts.check_trackers_installed(["tensorboard", "none"])
+    with pytest.raises(SpecdraftError, match=r"names wandb, which is not installed: pip install 'specdraft\[wandb\]'"):
+        train_parts.check_trackers_installed(["wandb"])

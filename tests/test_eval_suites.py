@@ -363,3 +363,13 @@ def test_eval_reads_every_folder_export_reads_or_writes(tmp_path):
     assert result["greedy_identical"] == {"run": 1.0, "vllm": 1.0, "run-2": 1.0}
     tau = {m: result["methods"][m]["overall"]["acceptance_length"] for m in ("run", "vllm", "run-2")}
     assert len(set(tau.values())) == 1, tau  # the same heads, however they were read
+
+
+def test_eval_wandb_without_wandb_names_the_extra_before_loading(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    with pytest.raises(SpecdraftError, match=r"pip install 'specdraft\[wandb\]'"):
+        eval_run.run(cli_args(["--target", str(tmp_path / "no-target"), "--prompts", str(suite), "--wandb"]))

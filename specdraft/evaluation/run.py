@@ -9,6 +9,7 @@ are the CLI.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import warnings
@@ -399,6 +400,8 @@ def run(args: argparse.Namespace) -> int:
                         ("--prefix-tokens", args.prefix_tokens), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise SpecdraftError(f"{flag} must be >= 1, got {value}")
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        raise SpecdraftError("--wandb needs wandb, which is not installed: pip install 'specdraft[wandb]'")
     if args.out:  # before anything runs: an eval whose report cannot be written is time thrown away
         args.out = str(Path(args.out).expanduser())
         check_report_folder(Path(args.out), args.overwrite)
