@@ -29,6 +29,7 @@ from .config import load_recipe
 from .data.regenerate import regenerate
 from .dtypes import FLOAT32_OVERRIDES, cpu_computes_natively, resolve_dtype
 from .errors import SpecdraftError
+from .evaluation.run import PROMPT_LOOKUP
 from .evaluation.suites import load_suite
 from .export import export
 from .recipe_files import shipped_recipes_dir
@@ -148,7 +149,7 @@ def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_pro
 
 def explain(result: dict, family: str, target: str) -> str:
     """The closing lines: what tau and the speedup mean, and why this machine shows the speedup it does."""
-    ours, lookup = result["methods"][family]["overall"], result["methods"].get("prompt-lookup", {}).get("overall")
+    ours, lookup = result["methods"][family]["overall"], result["methods"].get(PROMPT_LOOKUP, {}).get("overall")
     k = result["config"]["k"]
     tau, speedup, v, c = ours["acceptance_length"], ours["speedup"], ours["verify_cost"], ours["draft_cost_ratio"]
     lines = [

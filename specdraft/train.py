@@ -55,7 +55,7 @@ from .dtypes import (
 )
 from .errors import SpecdraftError, StoppedBySignal
 from .evaluation.report import format_table
-from .evaluation.run import EvalSettings, evaluate, family_report
+from .evaluation.run import PROMPT_LOOKUP, EvalSettings, evaluate, family_report
 from .evaluation.suites import load_suite
 from .features import check_feature_cache, open_feature_caches, with_sample_index
 from .named_targets import cache_home
@@ -567,7 +567,7 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
     for temperature in cfg.temperatures:
         sources = {recipe.drafter_family: drafter.draft_source(target)}
         if cfg.prompt_lookup_baseline:
-            sources["prompt-lookup"] = PromptLookupSource()
+            sources[PROMPT_LOOKUP] = PromptLookupSource()
         settings = EvalSettings(SamplingParams(temperature=temperature), k=cfg.k, max_new_tokens=cfg.max_new_tokens,
                                 num_prompts=cfg.num_prompts, verify_backend=cfg.verify_backend,
                                 show_progress=show_progress)  # fmt: skip

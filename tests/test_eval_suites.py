@@ -220,8 +220,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     ])  # fmt: skip
     assert eval_run.run(args) == 0
     printed = capsys.readouterr().out
-    assert "plain" in printed and "prompt_lookup" in printed and "target" in printed
-    assert "identical to plain decoding: target 100%, prompt_lookup 100%" in printed
+    assert "plain" in printed and "prompt-lookup" in printed and "target" in printed
+    assert "identical to plain decoding: target 100%, prompt-lookup 100%" in printed
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["config"]["num_prompts"] == 2 and result["config"]["compile_target"] is True
     assert (tmp_path / "out" / "speedup_heatmap.png").read_bytes()[:4] == b"\x89PNG"

@@ -55,6 +55,7 @@ from specdraft.target import FrozenTarget, resolve_target_path, stop_token_ids
 from specdraft.target_fingerprint import check_target
 
 PLAIN = "plain"
+PROMPT_LOOKUP = "prompt-lookup"  # the baseline's one name, in every table (the CLI's and training's eval)
 EVAL_OWNER = "specdraft eval"  # atomic.mark_owner's record: --overwrite replaces only an earlier eval's report
 
 
@@ -452,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
                                                   model.get_output_embeddings().weight.shape[0])  # fmt: skip
         sources[_unique_name(sources, Path(path).name)] = DraftLMSource(model, vocab_map, compile=args.compile_draft)
     if args.prompt_lookup:
-        sources["prompt_lookup"] = PromptLookupSource()
+        sources[PROMPT_LOOKUP] = PromptLookupSource()
 
     wandb_run = None
     if args.wandb:
