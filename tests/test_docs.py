@@ -89,3 +89,19 @@ def test_the_checker_reports_broken_links(tmp_path):
         "sub/nothing.md: no such file or folder",
         "sub/gone.html: no such file or folder",
     ]
+
+
+def test_every_shipped_recipe_and_family_is_where_the_docs_list_them():
+    """recipes/README.md's table links every shipped recipe, its drafter.family list names every registered family,
+    and pyproject's description names every family (DFlash was missing from all three)."""
+    import yaml
+
+    shipped = {yaml.safe_load(p.read_text())["drafter"]["family"] for p in (ROOT / "recipes").glob("*.yaml")}
+    recipes_doc = (ROOT / "recipes" / "README.md").read_text()
+    missing = [p.stem for p in sorted((ROOT / "recipes").glob("*.yaml")) if f"]({p.name})" not in recipes_doc]
+    assert not missing, missing
+    listed = re.search(r"`family` \(([^)]*)\)", recipes_doc).group(1)
+    assert {name.strip("` ") for name in listed.split(",")} == shipped  # (the tests' own probe family is not one)
+    description = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    for paper_name in ("EAGLE-1/3", "Medusa", "MLP speculator", "DistillSpec", "DFlash"):
+        assert paper_name in description, paper_name
