@@ -122,8 +122,10 @@ def finish_interrupted_replacement(run_dir: Path) -> str | None:
     run back (the new one had nothing worth keeping), or, if the new run reached a checkpoint, delete the
     old one as the swap would have. Returns what it did, or None if there was nothing to do."""
     aside = aside_path(run_dir)
+    if not aside.is_dir():  # nothing to finish, and no folder made for the lock: a refused run creates nothing
+        return None
     with _locked(run_dir):
-        if not aside.is_dir():
+        if not aside.is_dir():  # another process of the launch finished it
             return None
         if checkpoint_dirs(run_dir):
             shutil.rmtree(aside)

@@ -436,3 +436,10 @@ def test_a_recipe_inside_the_run_folder_it_names_is_never_written_over(built, tm
     assert_refused(out, "is inside checkpoint.output_dir")
     assert "keep your recipe outside the run folder" in out.stderr
     assert snapshot(tmp_path / "exp1") == before
+
+
+def test_a_refused_run_creates_nothing(tmp_path):
+    """`specdraft train toy_eagle3` before any data exists: refused, and no empty runs/ folder left behind."""
+    out = run_cli(["train", "toy_eagle3", "--no-progress"], cwd=tmp_path)
+    assert_refused(out, "does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -2,6 +2,7 @@
 main command must keep working (its figures come from the full-size run, not from here)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,22 @@ def test_the_quickstart_answers_and_trains_in_float32_on_a_cpu_that_would_emulat
     else:
         assert dtype == "float32" and "answers and trains in float32" in capsys.readouterr().out
         assert (recipe.target.dtype, recipe.training.mixed_precision) == ("float32", "no")
+
+
+def test_the_toy_recipes_read_their_data_where_the_quickstart_writes_it():
+    """`specdraft quickstart` then `specdraft train toy_eagle3` needs no data.path: the toy recipes default to the
+    quickstart's answers file (they pointed one folder too high)."""
+    import argparse
+
+    import yaml
+
+    from specdraft import quickstart as quickstart_module
+    from specdraft.recipe_files import shipped_recipes
+
+    parser = argparse.ArgumentParser()
+    quickstart_module.add_arguments(parser)
+    written = Path(parser.parse_args([]).out) / "data" / "answers.jsonl"  # what quickstart(out) writes
+    toy = {name: path for name, path in shipped_recipes().items() if name.startswith("toy_")}
+    assert len(toy) == 7
+    for name, path in toy.items():
+        assert Path(yaml.safe_load(path.read_text())["data"]["path"]) == written, name
