@@ -422,7 +422,8 @@ def train_micro_batch(run: Run, batch: dict[str, torch.Tensor]) -> tuple[dict[st
     accelerator, tcfg, state = run.accelerator, run.recipe.training, run.state
     with accelerator.accumulate(run.step_module):
         loss, metrics, tokens = run.step_module(batch, state.step)
-        accelerator.backward(loss)  # a non-finite loss is caught at the next log line or checkpoint
+        # a non-finite loss is caught at the next log line or checkpoint (check_losses_finite)
+        accelerator.backward(loss)
         if accelerator.sync_gradients and tcfg.clip_grad_value:
             clip_grad_value(accelerator, run.step_module.parameters(), tcfg.clip_grad_value)
         if accelerator.sync_gradients and tcfg.max_grad_norm:

@@ -120,6 +120,7 @@ def evaluate(
     device = target.device
     stop_ids = _stop_ids(target, tokenizer)
     verify_backend = resolve_verify_backend(verify_backend, device)  # a bad choice fails before any decode
+    machine = measured_on(device, target.lm_head.weight.dtype)  # the code and date it starts with
 
     def drafts_per_step(source) -> int:  # a tree method drafts its tree's whole depth; k is the chains' length
         return source.depth if isinstance(source, TreeDrafting) else k
@@ -186,7 +187,7 @@ def evaluate(
     result = {"config": _config(params, k, max_new_tokens, seed, lenience, typical_acceptance, prompts, device,
                                 batch_size, compile_target, verify_backend),
               "methods": {name: _summaries(records[name], records[PLAIN], k, costs) for name in methods},
-              "measured_on": measured_on(device, target.lm_head.weight.dtype)}  # fmt: skip
+              "measured_on": machine}  # fmt: skip
     if costs is not None:
         result["forward_costs"] = costs.to_json()
     if params.is_greedy and not (lenience < 1.0 or typical_acceptance):
