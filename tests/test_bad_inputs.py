@@ -176,7 +176,7 @@ def test_a_full_disk_during_export_keeps_the_existing_export(world, tmp_path, mo
                               'message: "No space left on device" })')
 
     monkeypatch.setattr(export_module, "save_file", full)
-    with pytest.raises(SpecdraftError, match=r"could not write the export .* \(the disk is full\).*needs about "
+    with pytest.raises(SpecdraftError, match=r"could not write the export .* \(the disk is full \(ENOSPC\)\).*needs about "
                                              r"[\d.]+ KiB; an existing .*export is left as it was"):
         export(world["run"], "hf", out, overwrite=True)
     assert snapshot(out) == before

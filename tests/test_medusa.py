@@ -612,7 +612,7 @@ def test_export_configs_are_pinned(trained, tmp_path):
                       "base_model_name_or_path": str(target_dir.resolve())}
     # the file FasterDecoding, TGI and TensorRT-LLM open
     assert sorted(p.name for p in (tmp_path / "medusa").iterdir()) == [
-        "config.json", "medusa_lm_head.safetensors", "specdraft.json"]
+        ".specdraft-owner.json", "config.json", "medusa_lm_head.safetensors", "specdraft.json"]  # the first: export's mark
 
 
 def test_without_medusa_fc_bias_vllm_would_drop_the_trained_biases(trained, tmp_path):
