@@ -53,7 +53,7 @@ def check_replaceable_output(path: Path, owner: str, flag: str) -> None:
         raise SpecdraftError(f"{flag} {path} holds files that {owner} did not write (it has no {OWNER_FILE} of "
                              f"{owner}'s), so they stay: choose a new or empty {flag}, or move them out.")
     own = set(record.get("entries", [])) | {OWNER_FILE}
-    foreign = sorted(p.name for p in path.iterdir() if p.name not in own and not p.name.startswith("."))
+    foreign = sorted(p.name for p in path.iterdir() if p.name not in own and not p.name.startswith(".owner-"))
     if foreign:
         listed = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise SpecdraftError(f"{flag} {path} holds files that {owner} did not write ({listed}), so they stay: "

@@ -294,10 +294,11 @@ def test_export_overwrite_replaces_its_own_export_and_refuses_one_the_user_added
     assert run_main(args, tmp_path, monkeypatch) == 0
     assert run_main(args, tmp_path, monkeypatch) == 0  # its own export: replaced
     (tmp_path / "exp" / "notes.md").write_text("the user's notes")
+    (tmp_path / "exp" / ".hidden").write_text("the user's too")
     before = snapshot(tmp_path / "exp")
     assert run_main(args, tmp_path, monkeypatch) == 2
     assert snapshot(tmp_path / "exp") == before
-    assert "holds files that specdraft export did not write (notes.md)" in capsys.readouterr().err
+    assert "holds files that specdraft export did not write (.hidden, notes.md)" in capsys.readouterr().err
 
 
 def eval_args(root: Path, out: str, *flags: str) -> list[str]:
