@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from .atomic import move_into_place
+from .atomic import move_into_place, protected_name
 from .checkpoint import STATE_FILE, checkpoint_dirs
 from .config import flatten
 from .errors import SpecdraftError
@@ -80,13 +80,11 @@ def _input_paths(recipe) -> dict[str, Path]:
 def check_replaceable(run_dir: Path, recipe) -> None:
     """Raise unless ``--overwrite`` may replace ``run_dir`` (see the module docstring)."""
     where = run_dir.expanduser().resolve()
-    home = Path.home().resolve()
-    protected = {"the working directory": Path.cwd().resolve(), "your home folder": home, "the root": Path("/")}
-    for name, folder in protected.items():
-        if _inside(folder, where):
-            raise SpecdraftError(
-                f"--overwrite would replace {run_dir}, which is {name} or holds it: refused. Set "
-                "checkpoint.output_dir to a folder of its own (e.g. runs/NAME).")
+    name = protected_name(run_dir)
+    if name:
+        raise SpecdraftError(
+            f"--overwrite would replace {run_dir}, which is {name} or holds it: refused. Set "
+            "checkpoint.output_dir to a folder of its own (e.g. runs/NAME).")
     for key, path in _input_paths(recipe).items():
         if _inside(path, where):
             raise SpecdraftError(
