@@ -11,6 +11,7 @@ import argparse
 import importlib
 import signal
 import sys
+import warnings
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(cmd_parser)
         args = cmd_parser.parse_args(argv[1:])
     args.command = name
+    shown, warnings.formatwarning = warnings.formatwarning, _warning_line
     try:
         with sigterm_raises():
             return int(module.run(args) or 0)
@@ -98,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"specdraft {name}: SIGINT: stopped before it finished", file=sys.stderr)
         return 128 + signal.SIGINT
+    finally:
+        warnings.formatwarning = shown
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line for the command's user: its category and text, without the source line that
+    Python's default format prints (specdraft's own code, or a library's, is not the user's to read)."""
+    return f"{category.__name__}: {message}\n"
 
 
 @contextmanager

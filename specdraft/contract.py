@@ -357,8 +357,11 @@ class Exporter:
     write: Callable[[dict, dict, ExportOptions], tuple[dict, dict]]
     # (saved, the export's tensors) -> the drafter's own tensors (write's inverse, without the embedding)
     read_back: Callable[[dict, dict], dict]
-    # How to serve an export, printed by `specdraft export`: "{out}" is the export folder, TARGET the target.
+    # How to serve an export, printed by `specdraft export`: "{out}" is the export folder, TARGET the target,
+    # "{k}" (and "{k+1}") the number of drafts per step it serves with (``draft_length``).
     serve_hint: str | None = None
+    # (saved, ExportOptions) -> the drafts per step the export serves with; None: opts.num_speculative_tokens.
+    draft_length: Callable[[dict, ExportOptions], int] | None = None
     # Ship the target's token embedding under this tensor name: the driver reads it from the target's
     # checkpoint (in the export dtype) into ``tensors`` before ``write``.
     target_embedding: str | None = None
@@ -375,7 +378,8 @@ class FolderExporter:
 
     write: Callable[[Path, Path, Path, ExportOptions], None]
     check: Callable[[Path, Path, ExportOptions], None]
-    serve_hint: str | None = None
+    serve_hint: str | None = None  # as Exporter's
+    draft_length: Callable[[dict, ExportOptions], int] | None = None  # as Exporter's
 
 
 @dataclass(frozen=True)

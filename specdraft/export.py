@@ -74,7 +74,7 @@ def exporter_for(family: str, fmt: str) -> Exporter:
     formats = exporters_of(family)
     if fmt not in formats:
         raise SpecdraftError(
-            f"a {family} drafter cannot be exported as {fmt}: specdraft knows no {fmt} model that loads it. "
+            f"the {family} drafter cannot be exported as {fmt}: specdraft knows no {fmt} model that loads it. "
             f"Formats for {family}: {', '.join(sorted(formats))} (e.g. --format hf, which specdraft eval loads)."
         )
     return formats[fmt]
@@ -358,11 +358,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = export(args.run, args.format, args.out, overwrite=args.overwrite, verifier=args.verifier,
                  num_speculative_tokens=args.num_speculative_tokens, allow_other_target=args.allow_other_target)
-    family = read_saved_config(find_drafter_dir(Path(args.run)))["family"]
+    saved = read_saved_config(find_drafter_dir(Path(args.run)))
     print(f"wrote {out}")
-    hint = exporter_for(family, args.format).serve_hint
+    hint = serve_hint(exporter_for(saved["family"], args.format), Path(out), saved)
     if hint:
-        side = json.loads((Path(out) / SIDE_FILE).read_text()) if (Path(out) / SIDE_FILE).is_file() else {}
-        target = (side.get("options") or {}).get("verifier") or "TARGET"
-        print("serve with:\n  " + hint.replace("{out}", str(out)).replace("TARGET", target))
+        print("serve with:\n  " + hint)
     return 0
+
+
+def serve_hint(exporter, out: Path, saved: dict) -> str | None:
+    """The exporter's serve hint for the export at ``out``, with its folder, its target and the drafts per step
+    it serves with (``Exporter.draft_length``, else the K the export recorded) filled in."""
+    if not exporter.serve_hint:
+        return None
+    side = json.loads((out / SIDE_FILE).read_text()) if (out / SIDE_FILE).is_file() else {}
+    opts = ExportOptions(**side.get("options", {}))
+    k = exporter.draft_length(saved, opts) if exporter.draft_length else opts.num_speculative_tokens
+    return (exporter.serve_hint.replace("{out}", str(out)).replace("TARGET", opts.verifier or "TARGET")
+            .replace("{k+1}", str(k + 1)).replace("{k}", str(k)))

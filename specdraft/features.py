@@ -177,7 +177,7 @@ class FeatureCache:
 def _check_cacheable(recipe: Recipe, needs: TargetNeeds) -> None:
     if needs.trains_adapters:
         raise SpecdraftError(
-            f"a {recipe.drafter_family} drafter trains adapters inside the target, so the target's features change "
+            f"the {recipe.drafter_family} drafter trains adapters inside the target, so the target's features change "
             "as it trains and cannot be cached: unset training.feature_cache"
         )
 

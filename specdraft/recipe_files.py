@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -54,12 +55,26 @@ def resolve_recipe(name_or_path: str | Path) -> Path:
 
 
 def describe(path: Path) -> dict[str, str]:
-    """A recipe's family, target and purpose (its first comment line)."""
+    """A recipe's family, target and purpose: the first sentence of its opening comment, whole."""
     text = path.read_text()
     raw = yaml.safe_load(text) or {}
-    purpose = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), "")
     return {"name": path.stem, "family": str((raw.get("drafter") or {}).get("family", "?")),
-            "target": str((raw.get("target") or {}).get("path", "?")), "purpose": purpose}
+            "target": str((raw.get("target") or {}).get("path", "?")), "purpose": first_sentence(text)}
+
+
+def first_sentence(text: str) -> str:
+    """The opening comment's first sentence, joined across lines; an indented line (a command) ends it."""
+    words = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        body = line[1:]
+        if body.startswith("   ") and words:  # a command the sentence introduces with a colon
+            break
+        words.append(body.strip())
+    prose = " ".join(w for w in words if w)
+    end = re.search(r"[.!?](\s|$)", prose)
+    return prose[: end.start() + 1] if end else prose.rstrip(":") + "."
 
 
 def copy_recipe(name: str, dest: str | Path, overwrite: bool = False) -> Path:

@@ -574,6 +574,6 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
                                 show_progress=show_progress)  # fmt: skip
         results[temperature] = evaluate(target, sources, cfg.prompts, settings,
                                         out_dir / f"temperature-{temperature:g}", wandb_run=wandb_run)  # fmt: skip
-        print(format_table(results[temperature]))
+        print(format_table(results[temperature], legend=temperature == cfg.temperatures[-1]) + "\n")
     family_report(recipe.drafter_family, target, drafter, cfg.prompts, cfg.max_new_tokens, out_dir, cfg.num_prompts)
     return results

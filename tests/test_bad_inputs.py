@@ -378,3 +378,24 @@ def test_a_null_message_names_its_record_without_datasets_too():
     with pytest.raises(SpecdraftError, match=r"data record 1 \(counting from 0\): a user message has no content"):
         normalize(Records(rows), "messages")
     assert normalize(Records(rows[:1]), "messages").to_list() == [{"messages": rows[0]["messages"]}]
+
+
+def test_a_commands_warnings_print_as_one_line_without_the_source_line(monkeypatch, capsys):
+    """Python prints a warning with the line of source that raised it; a command prints its category and text."""
+    import sys
+    import types
+    import warnings
+
+    from specdraft import cli
+
+    command = types.ModuleType("specdraft_warning_command")
+    command.add_arguments = lambda parser: None
+    command.run = lambda args: print(warnings.formatwarning("the lr never reaches its peak", UserWarning,
+                                                           "/site-packages/specdraft/train.py", 7,
+                                                           "    warnings.warn(message, stacklevel=2)"))
+    monkeypatch.setitem(sys.modules, command.__name__, command)
+    monkeypatch.setitem(cli.COMMANDS, "warns", (command.__name__, "prints a warning"))
+    before = warnings.formatwarning
+    assert cli.main(["warns"]) == 0
+    assert capsys.readouterr().out == "UserWarning: the lr never reaches its peak\n\n"
+    assert warnings.formatwarning is before  # a library caller's warnings keep Python's format

@@ -814,7 +814,7 @@ def test_a_recipe_with_taps_out_of_range_names_the_key():
     needs = declared_needs(DFLASH, DFlashConfig(num_layers=2), target.config, [1, 9])
     with pytest.raises(SpecdraftError, match="tap layer 9 is out of range.*Fix target.taps"):
         target.require(needs)
-    with pytest.raises(SpecdraftError, match="target.taps is \\[1\\], but a dflash drafter reads 2 target layers"):
+    with pytest.raises(SpecdraftError, match="target.taps is \\[1\\], but the dflash drafter reads 2 target layers"):
         declared_needs(DFLASH, DFlashConfig(num_layers=2), target.config, [1])
 
 

@@ -1,5 +1,6 @@
 """Eval metrics (pure functions, hand-computed values) and the report writers."""
 
+import copy
 import json
 
 import pytest
@@ -115,8 +116,13 @@ def test_tables():
     assert eagle["tau"] == "3.00" and eagle["alpha"] == "0.750" and eagle["speedup"] == "2.50x"
     assert dict(zip(report.headers(), rows[0]))["alpha"] == "-"
     text = report.format_table(result)
-    assert text.splitlines()[0].split()[:3] == ["method", "group", "decodes"]
-    assert "identical to plain decoding: eagle3 100%" in text
+    assert text.splitlines()[0] == "== temperature 0 (greedy), K=4, 1 prompt, 10 new tokens, batch 1 =="
+    assert text.splitlines()[1].split()[:3] == ["method", "group", "decodes"]
+    assert "identical to plain decoding: eagle3 100%" in text and "tau = tokens per target forward" in text
+    alone = report.format_table(result, legend=False)  # under several tables the legend is printed once
+    assert "tau = tokens per target forward" not in alone and "identical to plain decoding: eagle3 100%" in alone
+    sampled = {**result, "config": {**result["config"], "temperature": 1.0, "top_p": 0.9, "batch_size": 4}}
+    assert report.heading(sampled) == "temperature 1 (sampled, top-p 0.9), K=4, 1 prompt, 10 new tokens, batch 4"
     markdown = report.format_markdown(result)
     assert markdown.splitlines()[1].startswith("|---|---|---:|")
     assert all(line.count("|") == len(report.headers()) + 1 for line in markdown.splitlines()[:8])
@@ -127,9 +133,27 @@ def test_tables():
 def test_write_report_files(tmp_path):
     paths = report.write_report(make_result(), tmp_path / "out")
     assert json.loads(paths["json"].read_text())["methods"]["eagle3"]["overall"]["speedup"] == pytest.approx(2.5)
-    assert paths["markdown"].read_text().startswith("# specdraft eval")
+    assert paths["markdown"].read_text().startswith("# specdraft eval: temperature 0 (greedy), K=4")
     for key in ("acceptance_plot", "speedup_heatmap"):
         assert paths[key].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_plots_say_their_temperature_and_k_and_share_one_colour_scale(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    result = make_result()
+    cheap = copy.deepcopy(result["methods"]["eagle3"])
+    cheap["overall"]["draft_cost_ratio"] = 0.01  # a second drafter whose predicted speedups reach higher
+    result["methods"]["cheap"] = cheap
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figures open to read them
+    report.plot_speedup_heatmap(result, tmp_path / "h.png")
+    report.plot_acceptance_by_position(result, tmp_path / "a.png")
+    heatmap, acceptance = figures
+    panels = [ax for ax in heatmap.axes if ax.images]
+    assert len(panels) == 2 and len({ax.images[0].get_clim() for ax in panels}) == 1
+    assert all("T=0, K=4" in ax.get_title() for ax in panels)
+    assert "temperature 0 (greedy), K=4" in acceptance.axes[0].get_title()
 
 
 def test_wandb_table_offline(tmp_path, monkeypatch):

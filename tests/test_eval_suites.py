@@ -305,6 +305,8 @@ def test_a_runs_drafter_goes_by_the_runs_name(tmp_path):
     assert eval_run.drafter_name("runs/eagle3/drafter") == "eagle3"
     assert eval_run.drafter_name(tmp_path / "runs" / "medusa1" / "drafter" / "") == "medusa1"
     assert eval_run.drafter_name(tmp_path / "exports" / "eagle3-vllm") == "eagle3-vllm"
+    assert eval_run.drafter_name("export/hf", "eagle3") == "eagle3 (hf)"  # the family first, the folder beside
+    assert eval_run.drafter_name("runs/eagle3/drafter", "eagle3") == "eagle3"
 
 
 def test_cli_tree_methods(tmp_path, capsys, monkeypatch):
@@ -321,10 +323,10 @@ def test_cli_tree_methods(tmp_path, capsys, monkeypatch):
                      "--dtype", "float32", "--no-progress", "--out", str(tmp_path / "out")])  # fmt: skip
     assert eval_run.run(args) == 0
     printed = capsys.readouterr().out
-    assert "heads cannot draft a dynamic tree (eagle2-small)" in printed
+    assert "medusa1 (heads) cannot draft a dynamic tree (eagle2-small)" in printed  # its family, its folder beside
     result = json.loads((tmp_path / "out" / "result.json").read_text())
-    assert list(result["methods"]) == ["plain", "heads", "heads tree:medusa-8"]
-    assert result["greedy_identical"] == {"heads": 1.0, "heads tree:medusa-8": 1.0}
+    assert list(result["methods"]) == ["plain", "medusa1 (heads)", "medusa1 (heads) tree:medusa-8"]
+    assert result["greedy_identical"] == {"medusa1 (heads)": 1.0, "medusa1 (heads) tree:medusa-8": 1.0}
     # Trees in batches: two prompts decoded together, each tree as deep as the tree (medusa-8: 3), not -k.
     depths, batched = [], eval_run.speculative_decode_batch
     monkeypatch.setattr(eval_run, "speculative_decode_batch", lambda target, sources, prompts, k, **kw:
@@ -336,7 +338,7 @@ def test_cli_tree_methods(tmp_path, capsys, monkeypatch):
     assert eval_run.run(args) == 0
     result = json.loads((tmp_path / "batch" / "result.json").read_text())
     assert result["config"]["batch_size"] == 2 and set(depths) == {(False, 1), (True, 3)}
-    assert result["greedy_identical"] == {"heads": 1.0, "heads tree:medusa-8": 1.0}
+    assert result["greedy_identical"] == {"medusa1 (heads)": 1.0, "medusa1 (heads) tree:medusa-8": 1.0}
 
 
 def test_eval_reads_every_folder_export_reads_or_writes(tmp_path):
@@ -359,10 +361,28 @@ def test_eval_reads_every_folder_export_reads_or_writes(tmp_path):
                      "--out", str(tmp_path / "out")])  # fmt: skip
     assert eval_run.run(args) == 0
     result = json.loads((tmp_path / "out" / "result.json").read_text())
-    assert list(result["methods"]) == ["plain", "run", "vllm", "run-2"]
-    assert result["greedy_identical"] == {"run": 1.0, "vllm": 1.0, "run-2": 1.0}
-    tau = {m: result["methods"][m]["overall"]["acceptance_length"] for m in ("run", "vllm", "run-2")}
+    names = ["medusa1 (run)", "medusa1 (vllm)", "medusa1 (run)-2"]  # each by its family, its folder beside
+    assert list(result["methods"]) == ["plain", *names]
+    assert result["greedy_identical"] == dict.fromkeys(names, 1.0)
+    tau = {m: result["methods"][m]["overall"]["acceptance_length"] for m in names}
     assert len(set(tau.values())) == 1, tau  # the same heads, however they were read
+
+
+def test_several_temperatures_in_one_run_each_with_its_heading_and_report(tmp_path, capsys):
+    target_dir = save_tiny_target(tmp_path / "target")
+    suite = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    args = cli_args(["--target", str(target_dir), "--prompt-lookup", "--prompts", str(suite), "--num-prompts", "1",
+                     "--max-new-tokens", "6", "--dtype", "float32", "--no-progress", "--temperature", "0", "1",
+                     "--out", str(tmp_path / "out")])  # fmt: skip
+    assert eval_run.run(args) == 0
+    printed = capsys.readouterr().out
+    headings = [line for line in printed.splitlines() if line.startswith("== temperature")]
+    assert [h.split(",")[0] for h in headings] == ["== temperature 0 (greedy)", "== temperature 1 (sampled)"]
+    assert printed.count("tau = tokens per target forward") == 1  # the legend once, under the last table
+    for t in ("0", "1"):
+        result = json.loads((tmp_path / "out" / f"temperature-{t}" / "result.json").read_text())
+        assert result["config"]["temperature"] == float(t) and list(result["methods"]) == ["plain", "prompt-lookup"]
+    assert "greedy_identical" in json.loads((tmp_path / "out" / "temperature-0" / "result.json").read_text())
 
 
 def test_eval_wandb_without_wandb_names_the_extra_before_loading(tmp_path, monkeypatch):

@@ -1186,7 +1186,12 @@ def test_cli(e3, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"vllm serve {e3[3].resolve()} --speculative-config" in printed
     out = tmp_path / "out"
-    assert "'{" + f'"method": "eagle3", "model": "{out}", "num_speculative_tokens": K' + "}'" in printed
+    recorded = json.loads((out / "config.json").read_text())["speculators_config"]["proposal_methods"][0]
+    assert "'{" + f'"method": "eagle3", "model": "{out}", "num_speculative_tokens": {recorded["speculative_tokens"]}' \
+        + "}'" in printed  # the K the export wrote, not a placeholder
+    assert main(["export", str(e3[2]), "--format", "vllm", "--out", str(tmp_path / "k7"),
+                 "--num-speculative-tokens", "7"]) == 0
+    assert '"num_speculative_tokens": 7}' in capsys.readouterr().out
     assert main(["export", str(e3[2]), "--format", "vllm", "--out", str(tmp_path / "out")]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(e3[2]), "--format", "sglang", "--out", str(tmp_path / "s"), "--target", "/no/x"]) == 2

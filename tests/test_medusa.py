@@ -660,6 +660,9 @@ def test_the_serve_hints_name_the_engines_and_say_sglang_has_none(trained, tmp_p
         assert main(["export", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
         printed = capsys.readouterr().out
         assert "SGLang has no Medusa support" in printed and str(tmp_path / fmt) in printed
+        if fmt == "vllm":  # the export's own head count, which vLLM reads as its drafts per step
+            heads = json.loads((run / "drafter" / "config.json").read_text())["config"]["num_heads"]
+            assert f'"num_speculative_tokens": {heads}}}' in printed
     with pytest.raises(SpecdraftError, match="cannot be exported as sglang"):
         export(run, "sglang", tmp_path / "sglang")
 

@@ -598,6 +598,7 @@ def test_registered_with_the_vllm_format_and_its_honest_serve_hint(tmp_path, cap
     printed = capsys.readouterr().out
     assert "V1 engine does not route mlp_speculator" in printed and "#47825" in printed
     assert f'"model": "{tmp_path / "v"}"' in printed and "vllm serve my/target" in printed
+    assert '"num_speculative_tokens": 2}' in printed  # its n_predict
 
 
 def test_a_changed_export_is_refused(tmp_path):

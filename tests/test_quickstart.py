@@ -110,3 +110,20 @@ def test_the_toy_recipes_read_their_data_where_the_quickstart_writes_it():
     assert len(toy) == 7
     for name, path in toy.items():
         assert Path(yaml.safe_load(path.read_text())["data"]["path"]) == written, name
+
+
+def test_specdraft_recipes_prints_each_purpose_as_a_whole_sentence(capsys):
+    """The purpose column is the opening comment's first sentence, joined across lines, never cut mid-sentence."""
+    from specdraft.cli import main
+    from specdraft.recipe_files import describe, first_sentence, shipped_recipes
+
+    assert first_sentence("# Trains X for Y (a: b,\n# c d). More.\nx: 1\n") == "Trains X for Y (a: b, c d)."
+    assert first_sentence("# EAGLE-3 on a model from PyPI:\n#   pip install it\n# trained on answers.\n") == \
+        "EAGLE-3 on a model from PyPI."
+    assert main(["recipes"]) == 0
+    printed = capsys.readouterr().out
+    for path in shipped_recipes().values():
+        purpose = describe(path)["purpose"]
+        assert purpose[-1] in ".!?" and purpose.count("(") == purpose.count(")"), (path.name, purpose)
+        assert purpose in printed
+    assert "no norm clipping)." in describe(shipped_recipes()["llama3.1-8b-eagle1"])["purpose"]

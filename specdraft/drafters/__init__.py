@@ -52,7 +52,7 @@ def declared_needs(family: Family, cfg, target_config, taps: list[int] | str = "
     if len(taps) != len(needs.taps):
         reads = f"reads {len(needs.taps)} target layers" if needs.taps else "reads no tapped layers"
         raise SpecdraftError(
-            f"target.taps is {taps}, but a {family.name} drafter {reads} (by default {list(needs.taps)}); "
+            f"target.taps is {taps}, but the {family.name} drafter {reads} (by default {list(needs.taps)}); "
             f"give {len(needs.taps)} layer indices, or target.taps: auto"
         )
     return replace(needs, taps=tuple(taps))

@@ -704,8 +704,9 @@ DFLASH_EXPORTERS = {
                        "--speculative-draft-model-path {out}"),
     "vllm": Exporter(dflash_to_vllm, dflash_read_back,
                      "vllm serve TARGET --speculative-config "
-                     "'{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": K}'  (K = block_size - 1, "
-                     "as the export's speculative_tokens: the block the draft was trained on)"),
+                     "'{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": {k}}'  (block_size - 1, "
+                     "as the export's speculative_tokens: the block the draft was trained on)",
+                     draft_length=lambda saved, opts: saved["config"]["block_size"] - 1),
 }
 
 DFLASH = Family(name=FAMILY, config_cls=DFlashConfig, needs=dflash_needs, build=build_dflash, load=load_dflash,

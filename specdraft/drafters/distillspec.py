@@ -435,10 +435,10 @@ def check_model_folder(out: Path, drafter_dir: Path, opts) -> None:
 
 SERVE_HINT = (
     "vLLM:   vllm serve TARGET --speculative-config "
-    "'{{\"method\": \"draft_model\", \"model\": \"{out}\", \"num_speculative_tokens\": 5}}'\n"
+    "'{\"method\": \"draft_model\", \"model\": \"{out}\", \"num_speculative_tokens\": {k}}'\n"
     "SGLang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm STANDALONE "
-    "--speculative-draft-model-path {out} --speculative-num-steps 5 --speculative-eagle-topk 1 "
-    "--speculative-num-draft-tokens 6"
+    "--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+    "--speculative-num-draft-tokens {k+1}"
 )
 
 DISTILLSPEC = Family(

@@ -490,10 +490,10 @@ def eagle1_read_back(saved: dict, tensors: dict) -> dict:
     return out
 
 
-# `specdraft export` prints these with {out} and TARGET filled in (str.replace, not str.format).
+# `specdraft export` prints these with {out}, TARGET and {k} filled in (str.replace, not str.format).
 def _vllm_hint(method: str) -> str:
     return ('vllm serve TARGET --speculative-config '
-            f"'{{\"method\": \"{method}\", \"model\": \"{{out}}\", \"num_speculative_tokens\": K}}'")
+            f"'{{\"method\": \"{method}\", \"model\": \"{{out}}\", \"num_speculative_tokens\": {{k}}}}'")
 
 
 def _sglang_hint(algorithm: str) -> str:

@@ -640,8 +640,9 @@ MEDUSA_EXPORTERS = {
     "vllm": Exporter(
         to_vllm, from_vllm,
         "vllm serve TARGET --speculative-config '{\"method\": \"medusa\", \"model\": \"{out}\", "
-        "\"num_speculative_tokens\": NUM_HEADS}' (NUM_HEADS: num_heads in {out}/config.json; vLLM builds as many "
-        "heads as num_speculative_tokens, and drafts each head's top-1). " + NO_SGLANG),
+        "\"num_speculative_tokens\": {k}}' (num_heads in {out}/config.json: vLLM builds as many "
+        "heads as num_speculative_tokens, and drafts each head's top-1). " + NO_SGLANG,
+        draft_length=lambda saved, opts: saved["config"]["num_heads"]),
     "hf": Exporter(_copy, lambda saved, tensors: tensors,
                    "specdraft eval --target TARGET --drafter {out} " + NO_SGLANG),
 }

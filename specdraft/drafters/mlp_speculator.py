@@ -706,11 +706,11 @@ def _same_folder(saved: dict, tensors: dict, opts: ExportOptions) -> tuple[dict,
 
 # vLLM V1 does not route the method (vllm-project/vllm#47825), and "MLPSpeculatorPreTrainedModel" is commented
 # out of vllm/model_executor/models/registry.py ("Re-enable this once the MLP Speculator is supported in V1"),
-# so the hint says that no current vLLM serves this folder. `specdraft export` fills in {out} and TARGET.
+# so the hint says that no current vLLM serves this folder. `specdraft export` fills in {out}, TARGET and {k}.
 VLLM_SERVE_HINT = (
     "(not on a current vLLM: its V1 engine does not route mlp_speculator as of 2026, vLLM issue #47825) "
     "vllm serve TARGET --speculative-config '{\"method\": \"mlp_speculator\", \"model\": \"{out}\", "
-    "\"num_speculative_tokens\": N}' with N <= n_predict, on a vLLM release that still has the V0 engine; "
+    "\"num_speculative_tokens\": {k}}' ({k} = n_predict, or fewer), on a vLLM release that still has the V0 engine; "
     "fms-extras loads it with MLPSpeculatorPreTrainedModel.from_pretrained(\"{out}\")"
 )
 
@@ -718,7 +718,8 @@ VLLM_SERVE_HINT = (
 MLP_SPECULATOR = Family(name=FAMILY, config_cls=MLPSpeculatorConfig, needs=mlp_speculator_needs,
                         build=build_mlp_speculator, load=load_mlp_speculator,
                         exporters={"vllm": Exporter(write=_same_folder, read_back=lambda saved, tensors: tensors,
-                                                    serve_hint=VLLM_SERVE_HINT)},
+                                                    serve_hint=VLLM_SERVE_HINT,
+                                                    draft_length=lambda saved, opts: saved["n_predict"])},  # fms-extras layout
                         # stage 2 (the target generates) for the last 4 of selftest's 8 steps
                         selftest_settings={"n_predict": 3, "stage2_start_step": 4, "stage2_prompt_length": 16,
                                            "stage2_new_tokens": 16, "stage2_prompts_per_row": 1})

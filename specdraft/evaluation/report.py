@@ -36,6 +36,17 @@ COLUMNS = [
     ("pred @ best K", "predicted_speedup_at_recommended_k", "{:.2f}x"),
 ]
 
+# What the columns mean: printed once under the tables of one command.
+LEGEND = [
+    "tau = tokens per target forward (bonus included); alpha = accepted / tested drafts; alpha pred = mean "
+    "sum_x min(p, q); c = draft time per token / target time per forward; speedup = tok/s over plain decoding "
+    "in the same run; tok/s is per request and total tok/s the throughput (they differ with --batch-size > 1); "
+    "pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), which assumes a verify "
+    "forward costs one plain step; verify cost v = seconds per verify forward / seconds per plain token, "
+    "measured; pred @ verify cost = pred speedup / v; pred @ proposals = each step priced at its own width "
+    "and batch size on this device's measured verify-cost curve, plus its measured drafting."
+]
+
 
 def table_rows(result: dict) -> list[list[str]]:
     """One row per method and group: overall, then per suite and per category when there are several."""
@@ -52,21 +63,34 @@ def headers() -> list[str]:
     return ["method", "group", *[header for header, _, _ in COLUMNS]]
 
 
-def format_table(result: dict) -> str:
-    """A plain-text table with aligned columns, for the terminal, under a line saying what it was measured on."""
+def heading(result: dict) -> str:
+    """What one table measured: temperature, drafts per step, prompts, new tokens and batch size."""
+    cfg = result["config"]
+    temperature = cfg.get("temperature", 0.0)
+    sampling = "greedy" if temperature == 0 else "sampled" + "".join(
+        f", {key.replace('_', '-')} {cfg[key]}" for key, off in (("top_k", 0), ("top_p", 1.0)) if cfg.get(key, off) != off)
+    prompts = cfg["num_prompts"]
+    return (f"temperature {temperature:g} ({sampling}), K={cfg['k']}, {prompts} prompt{'s' * (prompts != 1)}, "
+            f"{cfg['max_new_tokens']} new tokens, batch {cfg.get('batch_size', 1)}")
+
+
+def format_table(result: dict, legend: bool = True) -> str:
+    """A plain-text table with aligned columns, for the terminal: a heading (temperature, K), the machine, the
+    rows and this run's notes; ``legend=False`` leaves out what the columns mean (printed once under several)."""
     rows = [headers(), *table_rows(result)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(_machine_lines(result) + lines + _footnotes(result))
+    return "\n".join([f"== {heading(result)} =="] + _machine_lines(result) + lines + _notes(result)
+                     + (LEGEND if legend else []))
 
 
 def format_markdown(result: dict) -> str:
     rows = [headers(), *table_rows(result)]
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     lines.insert(1, "|" + "|".join(["---"] * 2 + ["---:"] * len(COLUMNS)) + "|")
-    return "\n".join(lines + [""] + _footnotes(result)) + "\n"
+    return "\n".join(lines + [""] + _notes(result) + LEGEND) + "\n"
 
 
 def write_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
@@ -85,7 +109,7 @@ def write_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
         curve = "\n## verify-cost curve on this device (ms per decode step, and v = step / plain step)\n\n" + \
             format_curve(ForwardCosts.from_json(result["forward_costs"])) + "\n"
     machine = "".join(line + "\n\n" for line in _machine_lines(result))
-    paths["markdown"].write_text(f"# specdraft eval\n\n{machine}{_config_line(result)}\n\n{format_markdown(result)}"
+    paths["markdown"].write_text(f"# specdraft eval: {heading(result)}\n\n{machine}{_config_line(result)}\n\n{format_markdown(result)}"
                                  f"{curve}")
     plot_acceptance_by_position(result, paths["acceptance_plot"])
     plot_speedup_heatmap(result, paths["speedup_heatmap"])
@@ -102,6 +126,7 @@ def plot_acceptance_by_position(result: dict, path: Path) -> None:
         if points:
             ax.plot(*zip(*points), marker="o", label=method)
     ax.set(xlabel="draft position", ylabel="acceptance rate (given earlier drafts accepted)", ylim=(0, 1.02))
+    ax.set_title(f"acceptance by draft position\n{heading(result)}", fontsize=8)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -122,11 +147,13 @@ def plot_speedup_heatmap(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, max(1, len(measured)), figsize=(5 * max(1, len(measured)), 4), squeeze=False)
     alphas = [i / 50 for i in range(50)]  # 0 .. 0.98
     ks = list(range(1, MAX_RECOMMENDED_K + 1))
-    for ax, (method, summary) in zip(axes[0], measured):
+    grids = [[[predicted_speedup(a, kk, s["draft_cost_ratio"]) for a in alphas] for kk in ks] for _, s in measured]
+    scale = {"vmin": min((min(map(min, g)) for g in grids), default=0.0),
+             "vmax": max((max(map(max, g)) for g in grids), default=1.0)}  # one colour scale for every panel
+    for ax, (method, summary), grid in zip(axes[0], measured, grids):
         c = summary["draft_cost_ratio"]
-        grid = [[predicted_speedup(a, kk, c) for a in alphas] for kk in ks]
         image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis",
-                          extent=(0, 1, ks[0] - 0.5, ks[-1] + 0.5))  # fmt: skip
+                          extent=(0, 1, ks[0] - 0.5, ks[-1] + 0.5), **scale)  # fmt: skip
         ax.contour([a + 0.01 for a in alphas], ks, grid, levels=[1.0], colors="white", linewidths=1)
         v = summary.get("verify_cost")
         if v:  # break-even once a verify forward costs v plain steps, as measured (a CPU: v > 1)
@@ -134,7 +161,8 @@ def plot_speedup_heatmap(result: dict, path: Path) -> None:
                        colors="red", linewidths=1, linestyles="dashed")
         ax.plot(summary["alpha_measured"], k, marker="*", markersize=16, color="red", label=f"measured (K={k})")
         ax.plot(summary["alpha_measured"], summary["recommended_k"], marker="o", color="orange", label="best K")
-        title = f"{method}: predicted speedup\nc={c:.3f}; white: 1x"
+        temperature = result["config"].get("temperature", 0.0)
+        title = f"{method}: predicted speedup, T={temperature:g}, K={k}\nc={c:.3f}; white: 1x"
         title += f"; red dashed: 1x at verify cost {v:.2f}" if v else ""
         ax.set(xlabel="alpha", ylabel="K")
         ax.set_title(title, fontsize=9)
@@ -178,15 +206,9 @@ def _machine_lines(result: dict) -> list[str]:
     return [describe_machine(result["measured_on"])] if "measured_on" in result else []
 
 
-def _footnotes(result: dict) -> list[str]:
-    notes = [
-        "tau = tokens per target forward (bonus included); alpha = accepted / tested drafts; alpha pred = mean "
-        "sum_x min(p, q); c = draft time per token / target time per forward; speedup = tok/s over plain decoding "
-        "in the same run; tok/s is per request and total tok/s the throughput (they differ with --batch-size > 1); pred speedup = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), which assumes a verify "
-        "forward costs one plain step; verify cost v = seconds per verify forward / seconds per plain token, "
-        "measured; pred @ verify cost = pred speedup / v; pred @ proposals = each step priced at its own width "
-        "and batch size on this device's measured verify-cost curve, plus its measured drafting."
-    ]
+def _notes(result: dict) -> list[str]:
+    """This run's own notes: lossy verification, greedy identity and each mismatch's verdict."""
+    notes = []
     cfg = result["config"]
     if cfg.get("lenience", 1.0) < 1.0 or cfg.get("typical_acceptance"):
         notes.append("LOSSY verification (lenience < 1 or typical acceptance): output differs from the target's.")

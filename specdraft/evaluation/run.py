@@ -13,7 +13,7 @@ import importlib.util
 import json
 import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -81,9 +81,11 @@ class EvalSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace, params: SamplingParams) -> EvalSettings:
         """The settings ``specdraft eval``'s flags ask for."""
-        return cls(params, args.k, args.max_new_tokens, args.num_prompts, args.prefix_tokens, args.seed,
-                   args.lenience, args.typical_acceptance, args.batch_size, args.compile_target, args.verify_backend,
-                   show_progress=not args.no_progress)  # fmt: skip
+        return cls(params=params, k=args.k, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                   prefix_tokens=args.prefix_tokens, seed=args.seed, lenience=args.lenience,
+                   typical_acceptance=args.typical_acceptance, batch_size=args.batch_size,
+                   compile_target=args.compile_target, verify_backend=args.verify_backend,
+                   show_progress=not args.no_progress)
 
 
 def evaluate(
@@ -104,9 +106,9 @@ def evaluate(
     ``verify_backend``: auto | triton | reference (``specdraft.decoding.verify.resolve_verify_backend``).
     ``forward_costs`` then measures the device's cost of each step width the decodes used
     (``verify_cost.measure_forward_costs``, on the first prompt) and predicts each method's speedup from them."""
-    (params, k, max_new_tokens, num_prompts, prefix_tokens, seed, lenience, typical_acceptance, batch_size,
-     compile_target, verify_backend, forward_costs,
-     show_progress) = (getattr(settings, f.name) for f in fields(settings))  # fmt: skip
+    params, k, max_new_tokens, seed = settings.params, settings.k, settings.max_new_tokens, settings.seed
+    prefix_tokens, batch_size, lenience = settings.prefix_tokens, settings.batch_size, settings.lenience
+    typical_acceptance, compile_target = settings.typical_acceptance, settings.compile_target
     tokenizer = tokenizer or getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise SpecdraftError(
@@ -115,11 +117,11 @@ def evaluate(
     if PLAIN in sources:
         raise SpecdraftError(f"{PLAIN!r} names the plain-decoding baseline, which always runs; rename that source.")
     check_decoding_sizes(k, max_new_tokens)
-    prompts = _as_prompts(prompts, num_prompts)
+    prompts = _as_prompts(prompts, settings.num_prompts)
     methods = {PLAIN: None, **{name: _instantiate(s) for name, s in sources.items()}}
     device = target.device
     stop_ids = _stop_ids(target, tokenizer)
-    verify_backend = resolve_verify_backend(verify_backend, device)  # a bad choice fails before any decode
+    verify_backend = resolve_verify_backend(settings.verify_backend, device)  # a bad choice fails before any decode
     machine = measured_on(device, target.lm_head.weight.dtype)  # the code and date it starts with
 
     def drafts_per_step(source) -> int:  # a tree method drafts its tree's whole depth; k is the chains' length
@@ -157,7 +159,7 @@ def evaluate(
     records: dict[str, list[tuple[Prompt, DecodeOutput]]] = {name: [] for name in methods}
     contexts: dict[str, list[list[int]]] = {name: [] for name in methods}  # each decode's prompt ids
     bar = tqdm(total=sum(len(p.turns) for p in prompts) * len(methods), desc="eval", unit="decode",
-               disable=not show_progress)  # fmt: skip
+               disable=not settings.show_progress)  # fmt: skip
     for first in range(0, len(prompts), batch_size):
         group = list(enumerate(prompts))[first : first + batch_size]
         for name, source in methods.items():
@@ -180,7 +182,7 @@ def evaluate(
     bar.close()
 
     costs = None
-    if forward_costs:
+    if settings.forward_costs:
         outputs = [out for name in methods for _, out in records[name]]
         costs = measure_forward_costs(target, torch.tensor([warmup_ids], device=device), forward_keys(outputs),
                                       compile_target=compile_target, params=params, verify_backend=verify_backend)
@@ -364,7 +366,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", action="append", default=[], metavar="TREE",
                         help="also decode each drafter that can draft it with this tree (repeatable): "
                              f"{', '.join(NAMED_TREES)}, chain-N or eagle2:total_tokens=T,depth=D,top_k=K")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], metavar="T",
+                        help="0 = greedy; several (--temperature 0 1) decode at each in the same run, each into "
+                             "OUT/temperature-T (default: 0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -396,7 +400,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    temperatures = list(dict.fromkeys(args.temperature))
+    samplings = [SamplingParams(temperature=t, top_k=args.top_k, top_p=args.top_p) for t in temperatures]
     check_decoding_sizes(args.k, args.max_new_tokens, "-k", "--max-new-tokens")
     for flag, value in (("--num-prompts", args.num_prompts), ("--batch-size", args.batch_size),
                         ("--prefix-tokens", args.prefix_tokens), ("--threads", args.threads)):
@@ -422,9 +427,9 @@ def run(args: argparse.Namespace) -> int:
     drafters = {}
     for path in folders:
         # Each loaded drafter declares what it reads, and the target computes that from then on.
-        name = _unique_name(sources, drafter_name(path))
         loaded = load_exported(path, target) if (path / SIDE_FILE).is_file() else \
             load_drafter(path, target, args.allow_other_target)
+        name = _unique_name(sources, drafter_name(path, loaded.family))
         drafters[name] = loaded.eval()
         sources[name] = drafters[name].draft_source(target)
         for method, source in tree_methods(name, drafters[name], target, args.tree).items():
@@ -461,17 +466,21 @@ def run(args: argparse.Namespace) -> int:
         import wandb  # optional at run time: only with --wandb
 
         wandb_run = wandb.init(project="specdraft", job_type="eval", config=vars(args))
-    result = evaluate(target, sources, args.prompts, EvalSettings.from_args(args, params), args.out,
-                      wandb_run=wandb_run)  # fmt: skip
+    written = []
+    for params in samplings:  # one report per temperature, in OUT itself when there is one
+        out = args.out and (Path(args.out) / f"temperature-{params.temperature:g}" if len(samplings) > 1 else args.out)
+        result = evaluate(target, sources, args.prompts, EvalSettings.from_args(args, params), out,
+                          wandb_run=wandb_run)  # fmt: skip
+        print(report.format_table(result, legend=params is samplings[-1]) + "\n")
+        written += result.get("files", {}).values()
     if wandb_run is not None:
         wandb_run.finish()
-    print(report.format_table(result))
     for name, drafter in drafters.items():
         family_report(name, target, drafter, args.prompts, args.max_new_tokens,
                       args.out and Path(args.out) / name, args.num_prompts, args.prefix_tokens)
     if args.out:
         mark_owner(Path(args.out), EVAL_OWNER)
-        print(f"\nwrote {', '.join(result['files'].values())}")
+        print(f"\nwrote {', '.join(written)}")
     return 0
 
 
@@ -521,10 +530,12 @@ def drafter_folder(path: str) -> Path:
                              "(RUN/drafter, RUN/checkpoints/step-N/drafter) or a folder `specdraft export` wrote.") from e
 
 
-def drafter_name(path) -> str:
-    """What a drafter folder is called in tables and reports: a run's ``RUN/drafter`` by its run, else the folder."""
+def drafter_name(path, family: str | None = None) -> str:
+    """What a drafter folder is called in tables and reports: its family, with the folder beside it (a run's
+    ``RUN/drafter`` by its run) unless the folder is named after the family."""
     path = Path(path).resolve()
-    return path.parent.name if path.name == "drafter" and path.parent.name else path.name
+    folder = path.parent.name if path.name == "drafter" and path.parent.name else path.name
+    return folder if family in (None, folder) else f"{family} ({folder})"
 
 
 def tree_methods(name: str, drafter, target, specs: list[str]) -> dict:
