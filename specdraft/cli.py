@@ -26,6 +26,7 @@ COMMANDS = {
     "eval": ("specdraft.evaluation.run", "acceptance length, acceptance rate and speedup of drafters"),
     "export": ("specdraft.export", "write a trained drafter in the format vLLM or SGLang loads"),
     "regenerate": ("specdraft.data.regenerate", "rewrite a dataset's assistant turns with the target itself"),
+    "data": ("specdraft.data.sample", "data sample: a first training file, the toy target's own answers"),
     "toy-target": ("specdraft.toy_build.builder", "build the small stand-in target (no download needed)"),
     "selftest": ("specdraft.selftest", "check this install on this machine: environment, kernels, training, decoding"),
 }
@@ -45,6 +46,8 @@ EXAMPLES = {
     "regenerate": ["specdraft regenerate --target toy --data prompts.jsonl --out data/answers.jsonl",
                    "specdraft regenerate --target Qwen/Qwen3-8B --data HuggingFaceH4/ultrachat_200k --out "
                    "data/ultrachat_qwen3.jsonl --batch-size 64"],
+    "data": ["specdraft data sample   (then: specdraft train toy_eagle3)",
+             "specdraft data sample --out data/toy_answers.jsonl --prompts 1200"],
     "toy-target": ["specdraft toy-target --help"],
     "selftest": ["specdraft selftest --quick", "specdraft selftest --device cuda --out selftest-report"],
 }

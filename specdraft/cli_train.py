@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .config import load_recipe
 from .errors import SpecdraftError
+from .export import exporters_of
 from .features import cache_features
 from .recipe_files import resolve_recipe
 from .train import train
@@ -30,7 +31,20 @@ def run(args: argparse.Namespace) -> int:
         check_recipe_outside_run(resolve_recipe(args.recipe), Path(recipe.checkpoint.output_dir))
     run_dir = train(recipe, resume=args.resume, overwrite=args.overwrite, show_progress=not args.no_progress)
     print(f"run folder: {run_dir}")
+    print(next_steps(run_dir, recipe.drafter_family))
     return 0
+
+
+def next_steps(run_dir: Path, family: str) -> str:
+    """Where the drafter and its report are, and the command that exports it for an engine."""
+    formats = sorted(exporters_of(family))
+    engine = next((f for f in ("vllm", "sglang") if f in formats), formats[0])
+    lines = [f"  drafter: {run_dir / 'drafter'}"]
+    if (run_dir / "eval").is_dir():
+        lines.append(f"  report:  {run_dir / 'eval'} (report.md, result.json and plots per temperature)")
+    lines.append(f"  export:  specdraft export {run_dir} --format {engine} --out export/{engine}   "
+                 f"(formats: {', '.join(formats)})")
+    return "\n".join(lines)
 
 
 def check_recipe_outside_run(recipe_file: Path, run_dir: Path) -> None:

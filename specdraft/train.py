@@ -56,7 +56,7 @@ from .dtypes import (
 from .errors import SpecdraftError, StoppedBySignal
 from .evaluation.report import format_table
 from .evaluation.run import PROMPT_LOOKUP, EvalSettings, evaluate, family_report
-from .evaluation.suites import load_suite
+from .evaluation.suites import heldout_prompts, load_suite
 from .features import check_feature_cache, open_feature_caches, with_sample_index
 from .named_targets import cache_home
 from .recipe_target import load_target, recipe_needs
@@ -135,6 +135,7 @@ class Run:
     evaluated_at: int | None = None  # the step of the last periodic eval: the final eval does not repeat it
     replacement: Replacement | None = None  # --overwrite: the old run, kept aside until the first checkpoint
     data_fingerprints: dict = field(default_factory=dict)  # recorded in checkpoints: a resume checks the data
+    heldout: Any = None  # the held-out samples, whole (eval_loader shards them): the acceptance eval's prompts
 
 
 def train(recipe: Recipe, resume: bool = False, overwrite: bool = False, show_progress: bool = True) -> Path:
@@ -261,7 +262,7 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     # once per process, which would make N processes follow a different schedule than one.
     scheduler = optimization.schedule(optimizer)
     run = Run(recipe, accelerator, run_dir, target, drafter, step_module, optimizer, scheduler, loader, eval_loader,
-              total_steps, trackers=trackers, data_fingerprints=data_fingerprints(recipe))
+              total_steps, trackers=trackers, data_fingerprints=data_fingerprints(recipe), heldout=eval_ds)
     # Everything has loaded: only now may --overwrite move the old run out of the way (kept until the
     # new run's first checkpoint lands, see specdraft.run_folder).
     if overwrite and accelerator.is_main_process:
@@ -515,7 +516,7 @@ def finish(run: Run, show_progress: bool) -> None:
         wandb_run = accelerator.get_tracker("wandb", unwrap=True) if "wandb" in run.trackers else None
         target = eval_target(recipe, run.target)
         acceptance_eval(recipe, target, load_drafter(run.run_dir / "drafter", target), run.run_dir / "eval",
-                        wandb_run, show_progress)
+                        wandb_run, show_progress, heldout=run.heldout)
     accelerator.end_training()
 
 
@@ -557,12 +558,18 @@ def eval_target(recipe: Recipe, target: FrozenTarget) -> FrozenTarget:
 
 
 def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path, wandb_run=None,
-                    show_progress: bool = True) -> dict[float, dict]:
-    """The recipe's ``eval:`` section: the trained drafter in the real decoder, per temperature."""
+                    show_progress: bool = True, heldout=None) -> dict[float, dict]:
+    """The recipe's ``eval:`` section: the trained drafter in the real decoder, per temperature, on
+    ``eval.prompts``, else on ``eval.num_prompts`` of the ``heldout`` samples (each up to its first answer)."""
     cfg = recipe.eval
-    if not cfg.prompts:
-        print("acceptance eval skipped: set eval.prompts to a prompt suite (e.g. Spec-Bench questions JSONL)")
+    prompts = cfg.prompts or heldout_prompts(heldout if heldout is not None else [], cfg.num_prompts)
+    if not prompts:
+        print("acceptance eval skipped: no held-out samples to prompt with (data.eval_fraction is 0 and "
+              "data.eval_path unset); set eval.prompts to a prompt suite (e.g. Spec-Bench questions JSONL)")
         return {}
+    if not cfg.prompts:
+        print(f"acceptance eval: {len(prompts)} held-out samples of the data, each up to its first answer "
+              "(eval.prompts unset)")
     drafter.eval()
     results = {}
     for temperature in cfg.temperatures:
@@ -572,8 +579,8 @@ def acceptance_eval(recipe: Recipe, target: FrozenTarget, drafter, out_dir: Path
         settings = EvalSettings(SamplingParams(temperature=temperature), k=cfg.k, max_new_tokens=cfg.max_new_tokens,
                                 num_prompts=cfg.num_prompts, verify_backend=cfg.verify_backend,
                                 show_progress=show_progress)  # fmt: skip
-        results[temperature] = evaluate(target, sources, cfg.prompts, settings,
+        results[temperature] = evaluate(target, sources, prompts, settings,
                                         out_dir / f"temperature-{temperature:g}", wandb_run=wandb_run)  # fmt: skip
         print(format_table(results[temperature], legend=temperature == cfg.temperatures[-1]) + "\n")
-    family_report(recipe.drafter_family, target, drafter, cfg.prompts, cfg.max_new_tokens, out_dir, cfg.num_prompts)
+    family_report(recipe.drafter_family, target, drafter, prompts, cfg.max_new_tokens, out_dir, cfg.num_prompts)
     return results

@@ -127,3 +127,32 @@ def test_specdraft_recipes_prints_each_purpose_as_a_whole_sentence(capsys):
         assert purpose[-1] in ".!?" and purpose.count("(") == purpose.count(")"), (path.name, purpose)
         assert purpose in printed
     assert "no norm clipping)." in describe(shipped_recipes()["llama3.1-8b-eagle1"])["purpose"]
+
+
+def test_data_sample_then_train_toy_eagle3_needs_no_data_path_and_evaluates_and_exports(tmp_path, monkeypatch, capsys):
+    """The second hour's first step: `specdraft data sample` writes the file the toy recipes read, then
+    `specdraft train toy_eagle3` runs with no data.path, evaluates on held-out samples, and says how to export."""
+    import torch
+
+    from specdraft.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["data", "sample", "--prompts", "24"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert len((tmp_path / "quickstart" / "data" / "answers.jsonl").read_text().splitlines()) == 24
+    assert main(["train", "toy_eagle3", "training.max_steps=2", "eval.num_prompts=1", "eval.max_new_tokens=8",
+                 "eval.temperatures=[0.0]", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    run = tmp_path / "runs" / "toy-eagle3"
+    assert "acceptance eval: 1 held-out samples of the data" in printed
+    assert (run / "eval" / "temperature-0" / "result.json").is_file()
+    export_line = next(line for line in printed.splitlines() if line.strip().startswith("export:"))
+    command = export_line.split("export:")[1].split("(formats")[0].split()
+    assert command[:2] == ["specdraft", "export"] and main(command[1:]) == 0  # the printed command works
+    assert (tmp_path / "export" / "vllm" / "config.json").is_file()
+    (tmp_path / "quickstart" / "data" / "answers.prompts.jsonl").write_text("my own prompts\n")
+    assert main(["data", "sample", "--prompts", "24"]) == 2  # a file it did not write is never replaced
+    assert (tmp_path / "quickstart" / "data" / "answers.prompts.jsonl").read_text() == "my own prompts\n"

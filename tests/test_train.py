@@ -341,6 +341,32 @@ def test_final_acceptance_eval_runs_the_saved_drafter_in_the_decoder(tmp_path, m
     assert result["greedy_identical"] == {"eagle3": 1.0, "prompt-lookup": 1.0}
 
 
+def test_without_eval_prompts_the_acceptance_eval_decodes_held_out_samples_up_to_their_answers(tmp_path, capsys):
+    """eval.prompts unset: the eval decodes eval.num_prompts held-out samples, each cut before its first answer
+    token (what recipes/README.md and config.py promise); with nothing held out it says why it skips."""
+    from specdraft.evaluation.suites import heldout_prompts
+
+    target = save_tiny_target(tmp_path / "target", num_hidden_layers=8)
+    data = make_chat_data(tmp_path / "chat.jsonl", n=40)
+    raw = make_recipe(tmp_path, target, data, training={"max_steps": 2})
+    raw["drafter"] = {"family": "medusa1", "num_heads": 2}
+    raw["eval"] = {"enabled": True, "num_prompts": 3, "k": 2, "temperatures": [0.0], "max_new_tokens": 6}
+    run_dir = train(parse_recipe(raw), show_progress=False)
+    assert "acceptance eval: 3 held-out samples of the data" in capsys.readouterr().out
+    result = json.loads((run_dir / "eval" / "temperature-0" / "result.json").read_text())
+    assert result["config"]["suites"] == ["heldout"] and result["config"]["num_prompts"] == 3
+    assert result["greedy_identical"] == {"medusa1": 1.0, "prompt-lookup": 1.0}
+
+    samples = [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 0, 1, 1]}, {"input_ids": [1, 2], "loss_mask": [1, 1]}]
+    assert [p.ids for p in heldout_prompts(samples, 5)] == [[5, 6, 7], [1]]  # up to the answer; plain text: half
+    assert [p.id for p in heldout_prompts(samples * 5, 2)] == ["heldout-0", "heldout-5"]  # spread evenly
+
+    raw["data"]["eval_fraction"] = 0.0
+    raw["checkpoint"]["output_dir"] = str(tmp_path / "none-held-out")
+    train(parse_recipe(raw), show_progress=False)
+    assert "acceptance eval skipped: no held-out samples" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("eval_dtype, native, expected", [
     ("auto", True, torch.bfloat16), ("auto", False, torch.float32), ("bfloat16", False, torch.bfloat16)])
 def test_the_acceptance_eval_runs_the_target_in_eval_dtype(tmp_path, monkeypatch, eval_dtype, native, expected):

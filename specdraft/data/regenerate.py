@@ -356,9 +356,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace --out instead of resuming it")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     parser.add_argument("--max-new-tokens", type=int, default=512,
-                        help="per answer (default: 512)")
+                        help="per answer (default: 512, a whole chat answer: training learns from answers as "
+                             "long as the ones it will draft; `data sample` and the quickstart cut the toy's at 128)")
     parser.add_argument("--batch-size", type=int, default=8,
-                        help="dialogues generated together (default: 8; larger is faster where memory allows)")
+                        help="dialogues generated together (default: 8; larger is faster where memory allows: the "
+                             "quickstart answers the toy 64 at a time and SmolLM2 16)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto = bfloat16 on GPU and on a CPU with hardware for it (AMX, AVX512-BF16), else "
                              "float32")

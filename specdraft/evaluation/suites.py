@@ -8,6 +8,8 @@ A suite is one file or folder; its name is the file's stem. Each JSONL record is
   text      {"text": str, "category"?: str}    a held-out document: its first ``prefix_tokens``
             tokens are continued verbatim, no template
 A folder is read as held-out code: every ``*.py`` file below it is a text prefix (category "code").
+``heldout_prompts`` makes "tokens" prompts from training's held-out samples: each sample's own ids up to its
+first answer token, decoded as they are.
 """
 
 from __future__ import annotations
@@ -26,8 +28,28 @@ class Prompt:
     id: str
     suite: str
     category: str
-    kind: str  # "question" | "prompt" | "text"
-    turns: list[str]  # the user turns; one entry for "prompt" and "text"
+    kind: str  # "question" | "prompt" | "text" | "tokens"
+    turns: list[str]  # the user turns; one entry for "prompt" and "text" (and a label for "tokens")
+    ids: list[int] | None = None  # "tokens": the prompt, already tokenized
+
+
+HELDOUT_PREFIX_TOKENS = 128  # a held-out sample that is all answer (plain text) is continued after this many
+
+
+def heldout_prompts(samples, count: int) -> list[Prompt]:
+    """Up to ``count`` held-out training samples, spread evenly, each cut before its first answer token (a
+    sample of plain text, every token an answer, after ``HELDOUT_PREFIX_TOKENS``): the data's own kind of
+    prompt, never trained on. ``samples`` has ``input_ids`` and ``loss_mask`` per row, as the pipeline's."""
+    n = len(samples)
+    picks = sorted({i * n // count for i in range(count)}) if n > count else range(n)
+    prompts = []
+    for i in picks:
+        ids, mask = list(samples[i]["input_ids"]), list(samples[i]["loss_mask"])
+        first = mask.index(1) if 1 in mask else len(ids)
+        cut = first or min(HELDOUT_PREFIX_TOKENS, len(ids) // 2)
+        if cut >= 1:
+            prompts.append(Prompt(f"heldout-{i}", "heldout", "heldout", "tokens", [f"held-out sample {i}"], ids[:cut]))
+    return prompts
 
 
 def load_suite(path: str | Path, num_prompts: int | None = None) -> list[Prompt]:
@@ -53,6 +75,8 @@ def load_suite(path: str | Path, num_prompts: int | None = None) -> list[Prompt]
 
 def prompt_token_ids(tokenizer, prompt: Prompt, answers: list[str] = (), prefix_tokens: int = 128) -> list[int]:
     """Token ids of the next turn to generate: after ``len(answers)`` answered turns."""
+    if prompt.kind == "tokens":
+        return list(prompt.ids)
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if prompt.kind == "question" and not has_template:
         raise SpecdraftError(
