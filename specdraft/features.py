@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .config import Recipe
+from .atomic import protected_name
 from .contract import TargetNeeds, TargetOutputs
 from .data.pipeline import build_datasets, data_fingerprint, tokenizer_fingerprint
 from .errors import SpecdraftError
@@ -84,6 +85,7 @@ def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
     if not recipe.training.feature_cache:
         raise SpecdraftError("set training.feature_cache to the folder to write (e.g. training.feature_cache=cache/feat)")
     out = Path(recipe.training.feature_cache)
+    check_cache_folder(out)  # before the target loads
     device = "cuda" if torch.cuda.is_available() else "cpu"
     needs = recipe_needs(recipe)
     _check_cacheable(recipe, needs)
@@ -125,6 +127,22 @@ def cache_features(recipe: Recipe, show_progress: bool = True) -> Path:
             save_file(tensors, tmp)
             tmp.rename(shard)
     return out
+
+
+def check_cache_folder(out: Path) -> None:
+    """``out`` is new, empty, or a feature cache (its manifest.json is one this command wrote): never the working
+    directory, ``$HOME`` or ``/``, and never a folder of the user's, whose files a cache's names could replace."""
+    name = protected_name(out)
+    if name:
+        raise SpecdraftError(f"training.feature_cache {out} is {name} or holds it: give the cache a folder of its "
+                             "own, e.g. training.feature_cache=cache/NAME")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        json.loads((out / "manifest.json").read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SpecdraftError(f"training.feature_cache {out} holds files that are not a feature cache (no manifest.json "
+                             "of cache-features'), so they stay: choose a new or empty folder") from None
 
 
 class FeatureCache:

@@ -26,7 +26,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import load_recipe
-from .data.regenerate import regenerate
+from .data.regenerate import regenerate, write_prompts
 from .dtypes import FLOAT32_OVERRIDES, cpu_computes_natively, resolve_dtype
 from .errors import SpecdraftError
 from .evaluation.run import PROMPT_LOOKUP
@@ -116,11 +116,11 @@ def quickstart(out: Path, train_prompts: int | None, steps: int | None, eval_pro
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     for prompts, name in ((train_set, "answers"), (answered, "heldout_answers")):
-        prompts_path = write_jsonl(data / f"{name}.prompts.jsonl", prompts)
+        prompts_path = write_prompts(data / f"{name}.prompts.jsonl", prompts, data / f"{name}.jsonl")
         regenerate(model, tokenizer, prompts_path, data / f"{name}.jsonl", temperature=0.0,
                    max_new_tokens=setup.answer_tokens, batch_size=setup.answer_batch)
     del model
-    eval_prompts_file = write_jsonl(data / "eval_prompts.jsonl", eval_set)
+    eval_prompts_file = write_prompts(data / "eval_prompts.jsonl", eval_set, data / "answers.jsonl")
 
     overrides = [f"target.path={target}", f"data.path={data / 'answers.jsonl'}",
                  f"data.eval_path={data / 'heldout_answers.jsonl'}", f"checkpoint.output_dir={out / 'run'}",

@@ -90,6 +90,10 @@ def copy_recipe(name: str, dest: str | Path, overwrite: bool = False) -> Path:
         dest = dest / source.name
     if dest.exists() and not overwrite:
         raise SpecdraftError(f"{dest} already exists; pass --overwrite to replace it, or choose another DEST")
+    if dest.exists() and dest.read_bytes() not in {path.read_bytes() for path in shipped.values()}:
+        # --overwrite replaces a copy as it was shipped, never a file holding the user's edits or their own text
+        raise SpecdraftError(f"{dest} is not a shipped recipe as shipped (it holds edits, or is a file of yours), "
+                             "so --overwrite leaves it: move it, or choose another DEST")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.copyfile(source, tmp)
@@ -102,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     copy = sub.add_parser("copy", help="copy a shipped recipe to edit it")
     copy.add_argument("name", help="a shipped recipe's name, e.g. toy_eagle3")
     copy.add_argument("dest", help="the file to write, or a folder to put NAME.yaml in")
-    copy.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    copy.add_argument("--overwrite", action="store_true",
+                      help="replace DEST if it is an unedited copy of a shipped recipe")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 from safetensors.torch import load_file  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from .atomic import check_replaceable_output, mark_owner  # noqa: E402
 from .config import parse_recipe  # noqa: E402
 from .contract import FolderExporter  # noqa: E402
 from .decoding.rows import fresh_sources  # noqa: E402
@@ -75,6 +76,8 @@ from .selftest_verify import (  # noqa: E402
 from .target import FrozenTarget, resolve_target_path  # noqa: E402
 from .toy_target import definition_prompts  # noqa: E402
 from .train import train  # noqa: E402
+
+SELFTEST_OWNER = "specdraft selftest"  # atomic.mark_owner: a rerun replaces only its own report
 
 PACKAGES = ("torch", "triton", "transformers", "accelerate", "peft", "deepspeed", "datasets", "safetensors")
 K = 3  # drafts per step in the decoding checks (each family's selftest_settings drafts at least this many)
@@ -455,6 +458,7 @@ def selftest(device=None, quick: bool = False, out: str | Path = "selftest", fam
     families = tuple(FAMILIES) if families is None else families
 
     device = pick_device(device) if not isinstance(device, torch.device) else device
+    check_replaceable_output(Path(out), SELFTEST_OWNER, "--out")  # an earlier self-test's report, or nothing
     out = writable_folder(Path(out))
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (the resume check)
@@ -467,6 +471,7 @@ def selftest(device=None, quick: bool = False, out: str | Path = "selftest", fam
     work = Path(tempfile.mkdtemp(prefix="work-", dir=out))
     (out / "selftest.log").write_text("")
     (out / "selftest-errors.log").unlink(missing_ok=True)
+    mark_owner(out, SELFTEST_OWNER)  # what it holds now is this self-test's (the report is added when written)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     setup = Setup(device, quick, work, "bfloat16" if bf16 else "float32", "bf16" if bf16 else "no")
     checks: list[Check] = []
@@ -536,6 +541,7 @@ def write_report(out: Path, env: dict, checks: list[Check], curve: str, seconds:
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out / name)
+    mark_owner(out, SELFTEST_OWNER)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -102,3 +102,20 @@ def test_refuses_when_the_disk_is_short(tmp_path, target_dir, monkeypatch):
     with pytest.raises(SpecdraftError, match="not enough disk for the feature cache"):
         cache_features(recipe_for(tmp_path, target_dir, data), show_progress=False)
     assert not list((tmp_path / "features").glob("*.safetensors"))
+
+
+def test_cache_features_never_writes_into_a_folder_that_is_not_a_feature_cache(tmp_path, target_dir, monkeypatch):
+    data = make_chat_data(tmp_path / "chat.jsonl", n=8)
+    recipe = recipe_for(tmp_path, target_dir, data)
+    mine = tmp_path / "features"
+    mine.mkdir()
+    (mine / "train-00000.safetensors").write_text("my own file with a cache's name")
+    with pytest.raises(SpecdraftError, match="not a feature cache"):
+        cache_features(recipe, show_progress=False)
+    assert [p.name for p in mine.iterdir()] == ["train-00000.safetensors"]
+    monkeypatch.chdir(tmp_path)
+    for folder in (".", str(tmp_path.parent)):  # the working directory, and a folder above it
+        raw_cache = recipe_for(tmp_path, target_dir, data)
+        raw_cache.training.feature_cache = folder
+        with pytest.raises(SpecdraftError, match="folder of its own"):
+            cache_features(raw_cache, show_progress=False)

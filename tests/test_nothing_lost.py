@@ -444,3 +444,33 @@ def test_a_refused_run_creates_nothing(tmp_path):
     out = run_cli(["train", "toy_eagle3", "--no-progress"], cwd=tmp_path)
     assert_refused(out, "does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_prompts_a_command_writes_for_regenerate_never_replace_a_file_of_the_users(tmp_path):
+    """quickstart and `data sample` write the prompts they then answer: over nothing, the same prompts, or the
+    file their own earlier regenerate read (its sidecar names it); never over a file of the user's."""
+    from specdraft.data.regenerate import sidecar_of, write_prompts
+
+    prompts, out = tmp_path / "answers.prompts.jsonl", tmp_path / "answers.jsonl"
+    write_prompts(prompts, [{"turns": ["a"]}], out)
+    write_prompts(prompts, [{"turns": ["a"]}], out)  # a rerun with the same prompts
+    prompts.write_text("my own prompts\n")
+    with pytest.raises(SpecdraftError, match="holds other prompts"):
+        write_prompts(prompts, [{"turns": ["a"]}], out)
+    assert prompts.read_text() == "my own prompts\n"
+    sidecar_of(out).write_text(json.dumps({"written_by": "specdraft regenerate", "data": str(prompts)}))
+    write_prompts(prompts, [{"turns": ["b"]}], out)  # regenerate read it: the command's own, from a rerun
+    assert json.loads(prompts.read_text()) == {"turns": ["b"]} and list(tmp_path.glob(".*.tmp")) == []
+
+
+def test_recipes_copy_overwrite_replaces_only_an_unedited_copy(tmp_path):
+    from specdraft.recipe_files import copy_recipe, shipped_recipes
+
+    dest = copy_recipe("toy_eagle3", tmp_path / "exp1.yaml")
+    copy_recipe("toy_medusa1", dest, overwrite=True)  # an unedited copy: replaced
+    assert dest.read_bytes() == shipped_recipes()["toy_medusa1"].read_bytes()
+    edited = dest.read_text() + "# my note\n"
+    dest.write_text(edited)
+    with pytest.raises(SpecdraftError, match="holds edits"):
+        copy_recipe("toy_eagle3", dest, overwrite=True)
+    assert dest.read_text() == edited

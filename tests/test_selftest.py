@@ -183,3 +183,18 @@ def test_the_resume_checks_training_on_cuda_runs_deterministic_math_attention():
     assert ([read() for read in backends], torch.are_deterministic_algorithms_enabled()) == before
     with selftest_module._deterministic(torch.device("cpu")):
         assert ([read() for read in backends], torch.are_deterministic_algorithms_enabled()) == before
+
+
+def test_a_rerun_replaces_its_own_report_and_never_writes_into_a_folder_of_the_users(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(selftest_module, "check_verify_agreement", lambda setup, tree: (True, "fine"))
+    monkeypatch.setattr(selftest_module, "check_exactness", lambda setup: (True, "fine"))
+    monkeypatch.setattr(selftest_module, "check_verify_cost", lambda setup: (True, "fine", ""))
+    monkeypatch.setattr(selftest_module, "FAMILIES", {})
+    for _ in range(2):  # the second run replaces the first one's report
+        assert main(["selftest", "--quick", "--device", "cpu", "--out", str(tmp_path / "st")]) == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "selftest.md").write_text("my notes")
+    assert main(["selftest", "--quick", "--device", "cpu", "--out", str(mine)]) == 2
+    assert "did not write" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["selftest.md"] and (mine / "selftest.md").read_text() == "my notes"

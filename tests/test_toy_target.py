@@ -173,6 +173,20 @@ def test_tiny_build_is_deterministic_given_the_seed(tiny_target, small_stdlib, t
     assert (again / "model.safetensors").read_bytes() == (tiny_target / "model.safetensors").read_bytes()
 
 
+def test_overwrite_replaces_an_earlier_build_and_never_a_folder_of_the_users(tiny_target, small_stdlib, tmp_path):
+    import shutil
+
+    earlier = tmp_path / "earlier"
+    shutil.copytree(tiny_target, earlier)  # a build, with the owner record its build wrote
+    build_toy_target(earlier, steps=1, seed=0, recipe=TINY, stdlib_dir=small_stdlib, overwrite=True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("mine")
+    with pytest.raises(SpecdraftError, match="did not write"):
+        build_toy_target(mine, steps=1, seed=0, recipe=TINY, stdlib_dir=small_stdlib, overwrite=True)
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
+
+
 def test_chat_template_matches_training_text_and_marks_assistant_tokens(tiny_target):
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     answer = "def area(r):\n    return 3.14 * r * r\n"

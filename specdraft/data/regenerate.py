@@ -83,6 +83,26 @@ def sidecar_of(output_path: Path) -> Path:
     return output_path.with_name(output_path.name + SIDECAR_SUFFIX)
 
 
+def write_prompts(path: Path, records: list[dict], output_path: Path) -> Path:
+    """Write the prompts a regenerate into ``output_path`` will read (``quickstart``, ``data sample``), then
+    renamed: only over nothing, over the same prompts, or over the file ``output_path``'s sidecar names as its
+    input (a rerun's own); a file of the user's is never replaced."""
+    text = "".join(json.dumps(record) + "\n" for record in records)
+    if path.exists() and path.read_text(errors="replace") != text:
+        try:
+            ours = Path(json.loads(sidecar_of(output_path).read_text())["data"]).resolve() == path.resolve()
+        except (OSError, ValueError, KeyError, TypeError):
+            ours = False
+        if not ours:
+            raise SpecdraftError(f"{path} exists and holds other prompts than this command writes there (and no "
+                                 f"regenerate of {output_path} read it): move it, or write elsewhere (--out)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
 def prompt_key(record: dict, fmt: str, id_field: str | None) -> str:
     """What identifies a record's prompt: its id (if the data has one) and every message regenerate keeps
     (the user's turns, a system prompt, an opening greeting), hashed. An input record and the output

@@ -9,17 +9,16 @@ one it wrote with the same settings is resumed.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdraft.data.regenerate import regenerate
+from specdraft.data.regenerate import regenerate, write_prompts
 from specdraft.dtypes import resolve_dtype
 from specdraft.errors import SpecdraftError
-from specdraft.quickstart import QUICKSTART_TARGETS, RECIPES_DIR, precision_here, write_jsonl
+from specdraft.quickstart import QUICKSTART_TARGETS, RECIPES_DIR, precision_here
 from specdraft.target import resolve_target_path
 from specdraft.toy_target import toy_prompts
 
@@ -35,11 +34,7 @@ def sample(out: Path = DEFAULT_OUT, prompts: int = DEFAULT_PROMPTS) -> Path:
     target_dir = Path(resolve_target_path("toy", dtype))
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # a 3.5M model decodes fastest on one thread (see quickstart)
-    records = toy_prompts("train", prompts)
-    prompts_path = out.with_name(out.stem + ".prompts.jsonl")
-    if prompts_path.exists() and prompts_path.read_text() != "".join(json.dumps(r) + "\n" for r in records):
-        raise SpecdraftError(f"{prompts_path} exists and holds other prompts; move it, or choose another --out")
-    write_jsonl(prompts_path, records)
+    prompts_path = write_prompts(out.with_name(out.stem + ".prompts.jsonl"), toy_prompts("train", prompts), out)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     regenerate(model, tokenizer, prompts_path, out, temperature=0.0, max_new_tokens=setup.answer_tokens,

@@ -45,7 +45,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from specdraft.atomic import atomic_folder
+from specdraft.atomic import atomic_folder, check_replaceable_output
 from specdraft.errors import SpecdraftError
 from specdraft.toy_build.unlikelihood import (
     adamw_without_norm_decay,
@@ -79,6 +79,8 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"
 )
+
+TOY_TARGET_OWNER = "specdraft toy-target"  # atomic.mark_owner: --overwrite replaces only its own builds
 
 
 def render_chat(user: str, assistant: str) -> str:
@@ -420,6 +422,8 @@ def build_toy_target(
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise SpecdraftError(f"{out_dir} already exists; pass --overwrite or choose another --out")
+    if out_dir.exists():  # --overwrite replaces an earlier build, never a folder of the user's
+        check_replaceable_output(out_dir, TOY_TARGET_OWNER, "--out")
 
     torch.manual_seed(seed)
     torch.set_num_threads(recipe.threads)
@@ -483,7 +487,7 @@ def build_toy_target(
             assistant_id=tokenizer.convert_tokens_to_ids("<|assistant|>"), seed=seed + 1, log=log))
 
     # Save in bf16 into a temp folder, measure it there; only a complete folder replaces out_dir.
-    with atomic_folder(out_dir) as tmp:
+    with atomic_folder(out_dir, owner=TOY_TARGET_OWNER) as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
