@@ -26,13 +26,23 @@ def protected_name(path: Path) -> str | None:
     return next((name for name, folder in protected.items() if folder == where or where in folder.parents), None)
 
 
-def mark_owner(folder: Path, owner: str) -> None:
-    """Record in ``folder`` that ``owner`` (a command, "specdraft export") wrote it and every entry it holds now
-    (written then renamed): ``check_replaceable_output`` then lets ``owner`` replace it, and only it."""
-    entries = sorted(p.name for p in folder.iterdir() if p.name != OWNER_FILE and not p.name.startswith(".owner"))
+def mark_owner(folder: Path, owner: str, will_write: tuple[str, ...] = ()) -> None:
+    """Record in ``folder`` that ``owner`` (a command, "specdraft export") wrote it and every entry it holds now,
+    and the entries it ``will_write`` (marked before writing them, a half-written one stays its own), added to
+    what ``owner`` recorded there before: ``check_replaceable_output`` then lets ``owner`` replace it, and only it."""
+    entries = {p.name for p in folder.iterdir() if p.name != OWNER_FILE and not p.name.startswith(".owner")}
+    try:
+        earlier = json.loads((folder / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        earlier = {}
+    if earlier.get("written_by") == owner:
+        entries |= set(earlier.get("entries", []))
     tmp = folder / f".owner-{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"written_by": owner, "entries": entries}, indent=1) + "\n")
-    tmp.replace(folder / OWNER_FILE)
+    try:
+        tmp.write_text(json.dumps({"written_by": owner, "entries": sorted(entries | set(will_write))}, indent=1) + "\n")
+        tmp.replace(folder / OWNER_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def check_replaceable_output(path: Path, owner: str, flag: str) -> None:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 
+from .atomic import disk_full_reason
 from .errors import SpecdraftError, StoppedBySignal
 
 COMMANDS = {
@@ -97,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdraftError as e:
         print(f"specdraft {name}: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, RuntimeError) as e:  # a write that found no room, wherever it was: the user's to fix
+        reason = disk_full_reason(e)
+        if reason is None:
+            raise
+        where = f" writing {e.filename}" if isinstance(e, OSError) and e.filename else ""
+        print(f"specdraft {name}: error: {reason}{where}. Free space (or raise the limit), then run the command "
+              "again: what it finished is kept, and a run resumes with --resume.", file=sys.stderr)
+        return 1
     except StoppedBySignal as stop:
         print(f"specdraft {name}: {stop}", file=sys.stderr)
         return stop.code

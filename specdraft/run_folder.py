@@ -157,10 +157,14 @@ def check_run_dir(recipe, resume: bool, overwrite: bool) -> None:
     if not (run_dir.is_dir() and any(run_dir.iterdir())):
         return
     if not overwrite:
-        stopped = "" if checkpoint_dirs(run_dir) or saved_recipe(run_dir) is None else \
-            " (the run there stopped before its first checkpoint)"
+        if not checkpoint_dirs(run_dir) and saved_recipe(run_dir) is not None:
+            raise SpecdraftError(
+                f"run folder {run_dir} already exists (the run there stopped before its first checkpoint, so there "
+                "is nothing to resume); pass --overwrite to start it again, or set checkpoint.output_dir to a new "
+                "folder"
+            )
         raise SpecdraftError(
-            f"run folder {run_dir} already exists{stopped}; pass --resume to continue it, --overwrite to replace it, "
+            f"run folder {run_dir} already exists; pass --resume to continue it, --overwrite to replace it, "
             "or set checkpoint.output_dir to a new folder"
         )
     check_replaceable(run_dir, recipe)

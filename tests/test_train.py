@@ -11,6 +11,7 @@ from pathlib import Path
 import probe_family  # noqa: F401  (registers the "probe" family)
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -387,8 +388,8 @@ def test_the_acceptance_eval_runs_the_target_in_eval_dtype(tmp_path, monkeypatch
                    "max_new_tokens": 4, "dtype": eval_dtype}
     seen = []
     real_eval = train_module.acceptance_eval
-    monkeypatch.setattr(train_module, "acceptance_eval", lambda recipe, target, drafter, *args: (
-        seen.append(target.lm_head.weight.dtype), real_eval(recipe, target, drafter, *args))[1])
+    monkeypatch.setattr(train_module, "acceptance_eval", lambda recipe, target, drafter, *args, **kwargs: (
+        seen.append(target.lm_head.weight.dtype), real_eval(recipe, target, drafter, *args, **kwargs))[1])
     train(parse_recipe(raw), show_progress=False)
     assert seen == [expected]
 
@@ -408,7 +409,10 @@ def no_target_load(*args, **kwargs):
     (lambda raw, tmp: raw.update(drafter={"family": "eagle3"}, target={**raw["target"], "taps": [0, 1, 9]}),
      "tap layer 9 is out of range"),
     (lambda raw, tmp: (tmp / "run" / "old").mkdir(parents=True), "already exists; pass --resume"),
-], ids=["data", "eval-data", "eval-prompts", "feature-cache", "taps-count", "taps-range", "run-folder"])
+    (lambda raw, tmp: (tmp / "run").mkdir() or (tmp / "run" / "recipe.yaml").write_text(yaml.safe_dump(raw)),
+     r"before its first checkpoint, so there is nothing to resume\); pass --overwrite"),
+], ids=["data", "eval-data", "eval-prompts", "feature-cache", "taps-count", "taps-range", "run-folder",
+        "run-folder-without-checkpoint"])
 def test_cheap_mistakes_are_reported_before_the_target_loads(tmp_path, target_dir, data, monkeypatch, edit, message):
     monkeypatch.setattr(train_module, "load_target", no_target_load)
     monkeypatch.setattr(train_module.FrozenTarget, "from_pretrained", no_target_load)
@@ -446,13 +450,13 @@ def test_the_acceptance_eval_runs_on_the_main_process_alone_after_the_last_barri
     monkeypatch.setattr(train_module, "heldout_loss", lambda run: calls.append("eval loss") or {})
     monkeypatch.setattr(train_module, "load_drafter", lambda *args: None)
     monkeypatch.setattr(train_module, "eval_target", lambda recipe, target: target)
-    monkeypatch.setattr(train_module, "acceptance_eval", lambda *args: calls.append("acceptance eval"))
+    monkeypatch.setattr(train_module, "acceptance_eval", lambda *args, **kwargs: calls.append("acceptance eval"))
     raw = make_recipe(tmp_path, target_dir, data)
     raw["eval"] = {"enabled": True, "prompts": str(data)}
     for main in (True, False):
         calls.clear()
         run = SimpleNamespace(accelerator=Accelerator(main), recipe=parse_recipe(raw), run_dir=tmp_path / str(main),
-                              state=train_module.RunState(step=3), evaluated_at=2, trackers=[], target=None,
+                              state=train_module.RunState(step=3), evaluated_at=2, trackers=[], target=None, heldout=None,
                               step_module=SimpleNamespace(save_pretrained=lambda path: None))
         train_module.finish(run, show_progress=False)
         expected = ["save", "eval loss", "barrier"] + (["acceptance eval"] if main else []) + ["end"]

@@ -93,16 +93,15 @@ def format_markdown(result: dict) -> str:
     return "\n".join(lines + [""] + _notes(result) + LEGEND) + "\n"
 
 
+REPORT_FILES = {"json": "result.json", "markdown": "report.md", "acceptance_plot": "acceptance_by_position.png",
+                "speedup_heatmap": "speedup_heatmap.png"}
+
+
 def write_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
     """result.json, report.md, acceptance_by_position.png, speedup_heatmap.png in ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": out_dir / "result.json",
-        "markdown": out_dir / "report.md",
-        "acceptance_plot": out_dir / "acceptance_by_position.png",
-        "speedup_heatmap": out_dir / "speedup_heatmap.png",
-    }
+    paths = {key: out_dir / name for key, name in REPORT_FILES.items()}
     paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
     curve = ""
     if result.get("forward_costs"):

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.config import MAX_DRAFTS_PER_STEP
-from specdraft.atomic import check_replaceable_output, mark_owner
+from specdraft.atomic import OWNER_FILE, check_replaceable_output, mark_owner
 from specdraft.checkpoint import find_drafter_dir
 from specdraft.contract import DraftSource
 from specdraft.decoding.rows import fresh_sources
@@ -413,6 +413,9 @@ def run(args: argparse.Namespace) -> int:
         args.out = str(Path(args.out).expanduser())
         check_report_folder(Path(args.out), args.overwrite)
         check_writable_folder(Path(args.out), "--out")
+        # marked before anything is written: a report cut short is still this command's to replace
+        mark_owner(Path(args.out), EVAL_OWNER, tuple(report.REPORT_FILES.values()) if len(samplings) == 1 else
+                   tuple(f"temperature-{params.temperature:g}" for params in samplings))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -434,6 +437,8 @@ def run(args: argparse.Namespace) -> int:
         sources[name] = drafters[name].draft_source(target)
         for method, source in tree_methods(name, drafters[name], target, args.tree).items():
             sources[_unique_name(sources, method)] = source
+    if args.out:  # and each drafter's family report
+        mark_owner(Path(args.out), EVAL_OWNER, tuple(drafters))
     adapting = [name for name, d in drafters.items() if d.needs.trains_adapters]
     if adapting and len(drafters) + len(args.draft_model) > 1:
         # Its adapters now live inside the target: every other method would be verified by the adapted model.
@@ -486,7 +491,8 @@ def run(args: argparse.Namespace) -> int:
 
 def check_report_folder(out: Path, overwrite: bool) -> None:
     """``--out`` is new or empty, or (with ``--overwrite``) an earlier eval's report and nothing else."""
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if out.is_dir() and any(p.name != OWNER_FILE and not p.name.startswith(".owner-") for p in out.iterdir()) \
+            and not overwrite:
         raise SpecdraftError(f"--out {out} already holds files; pass --overwrite to replace an earlier eval's report "
                              "there, or choose a new --out")
     check_replaceable_output(out, EVAL_OWNER, "--out")
