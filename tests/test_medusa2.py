@@ -451,6 +451,6 @@ def test_specdraft_eval_runs_a_medusa2_drafter_alone_and_refuses_it_beside_other
     assert "evaluate it in a run of its own" in capsys.readouterr().err
     assert main([*common, "--drafter", str(runs.straight / "drafter"), "--prompt-lookup",
                  "--out", str(tmp_path / "out")]) == 0
-    # A run's drafter goes by the run's name (runs.straight is .../straight/run)
-    assert "run (medusa2): mean_kl_original_adapted" in capsys.readouterr().out
-    assert (tmp_path / "out" / "run" / "family_report.json").is_file()
+    # A run's drafter goes by its family, the run's name beside it (runs.straight is .../straight/run)
+    assert "medusa2 (run): mean_kl_original_adapted" in capsys.readouterr().out
+    assert (tmp_path / "out" / "medusa2-run" / "family_report.json").is_file()

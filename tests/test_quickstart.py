@@ -153,6 +153,6 @@ def test_data_sample_then_train_toy_eagle3_needs_no_data_path_and_evaluates_and_
     command = export_line.split("export:")[1].split("(formats")[0].split()
     assert command[:2] == ["specdraft", "export"] and main(command[1:]) == 0  # the printed command works
     assert (tmp_path / "export" / "vllm" / "config.json").is_file()
-    (tmp_path / "quickstart" / "data" / "answers.prompts.jsonl").write_text("my own prompts\n")
-    assert main(["data", "sample", "--prompts", "24"]) == 2  # a file it did not write is never replaced
-    assert (tmp_path / "quickstart" / "data" / "answers.prompts.jsonl").read_text() == "my own prompts\n"
+    (tmp_path / "mine.prompts.jsonl").write_text("my own prompts\n")
+    assert main(["data", "sample", "--prompts", "24", "--out", "mine.jsonl"]) == 2  # a file it did not write stays
+    assert (tmp_path / "mine.prompts.jsonl").read_text() == "my own prompts\n" and not (tmp_path / "mine.jsonl").exists()

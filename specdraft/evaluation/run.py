@@ -263,7 +263,8 @@ def family_report(name: str, target, drafter, prompts, max_new_tokens: int, out_
     prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, p, prefix_tokens=prefix_tokens)], device=target.device)
                   for p in _as_prompts(prompts, num_prompts)]
     figures = report_fn(target, drafter, prompt_ids, max_new_tokens)
-    print(f"{name} ({drafter.family}): " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+    label = name if name.split(" ")[0] == drafter.family else f"{name} ({drafter.family})"  # names carry it now
+    print(f"{label}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                        for k, v in figures.items()))
     if out_dir is not None:
         path = Path(out_dir) / "family_report.json"
@@ -438,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
         for method, source in tree_methods(name, drafters[name], target, args.tree).items():
             sources[_unique_name(sources, method)] = source
     if args.out:  # and each drafter's family report
-        mark_owner(Path(args.out), EVAL_OWNER, tuple(drafters))
+        mark_owner(Path(args.out), EVAL_OWNER, tuple(map(folder_name, drafters)))
     adapting = [name for name, d in drafters.items() if d.needs.trains_adapters]
     if adapting and len(drafters) + len(args.draft_model) > 1:
         # Its adapters now live inside the target: every other method would be verified by the adapted model.
@@ -482,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
         wandb_run.finish()
     for name, drafter in drafters.items():
         family_report(name, target, drafter, args.prompts, args.max_new_tokens,
-                      args.out and Path(args.out) / name, args.num_prompts, args.prefix_tokens)
+                      args.out and Path(args.out) / folder_name(name), args.num_prompts, args.prefix_tokens)
     if args.out:
         mark_owner(Path(args.out), EVAL_OWNER)
         print(f"\nwrote {', '.join(written)}")
@@ -542,6 +543,11 @@ def drafter_name(path, family: str | None = None) -> str:
     path = Path(path).resolve()
     folder = path.parent.name if path.name == "drafter" and path.parent.name else path.name
     return folder if family in (None, folder) else f"{family} ({folder})"
+
+
+def folder_name(method: str) -> str:
+    """A method's name as a folder name a shell takes without quotes: "medusa2 (run)" -> "medusa2-run"."""
+    return "-".join(method.replace("(", " ").replace(")", " ").split())
 
 
 def tree_methods(name: str, drafter, target, specs: list[str]) -> dict:
