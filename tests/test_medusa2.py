@@ -356,7 +356,7 @@ def test_the_end_of_training_eval_decodes_against_the_adapted_target_and_reports
     assert result["greedy_identical"] == {"medusa2": 1.0}
     drift = json.loads((run / "eval" / "family_report.json").read_text())["medusa2"]
     assert drift["prompts"] == 1 and drift["tokens"] == 12 and drift["mean_kl_original_adapted"] >= 0
-    assert "medusa2 (medusa2): mean_kl_original_adapted" in capsys.readouterr().out
+    assert "\nmedusa2: mean_kl_original_adapted" in capsys.readouterr().out
 
 
 def two_process_run(tmp_path: Path, joint_from_step: int, launcher_env: tuple[list, dict]) -> tuple[dict, dict]:
