@@ -143,6 +143,7 @@ def test_data_sample_then_train_toy_eagle3_needs_no_data_path_and_evaluates_and_
     finally:
         torch.set_num_threads(threads)
     assert len((tmp_path / "quickstart" / "data" / "answers.jsonl").read_text().splitlines()) == 24
+    assert "Next: specdraft train toy_eagle3\n" in capsys.readouterr().out  # the default path needs no data.path
     assert main(["train", "toy_eagle3", "training.max_steps=2", "eval.num_prompts=1", "eval.max_new_tokens=8",
                  "eval.temperatures=[0.0]", "--no-progress"]) == 0
     printed = capsys.readouterr().out

@@ -55,5 +55,6 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts < 1:
         raise SpecdraftError(f"--prompts must be >= 1, got {args.prompts}")
     out = sample(Path(args.out).expanduser(), args.prompts)
-    print(f"wrote {out}: the toy target's answers to {args.prompts} prompts. Next: specdraft train toy_eagle3")
+    where = "" if out == DEFAULT_OUT else f" data.path={out}"  # the toy recipes read DEFAULT_OUT
+    print(f"wrote {out}: the toy target's answers to {args.prompts} prompts. Next: specdraft train toy_eagle3{where}")
     return 0
