@@ -5,13 +5,16 @@
     python eval/bench_train.py --target smollm2-135m-instruct --set training.mixed_precision=bf16
     python eval/bench_train.py --target smollm2-135m-instruct --families eagle3 --modes online \
         --data WORK/data/answers.jsonl --baseline-tree /tmp/old --repeats 2     # chat answers; old code vs this
+    python eval/bench_train.py --target smollm2-135m-instruct --families eagle3 --modes online \
+        --set data.packing=true --set data.tokens_per_micro_batch=2048 --compare training.compile=true  # compiled
 
 Each configuration runs the real ``specdraft train`` path with recipes/<target>-<family>.yaml, in a
 fresh process so that its peak memory is its own, on the same plain-text chunks of the standard
 library's source (training files of the toy target), or on chat answers (``--data``: messages JSONL, e.g. the
 target's own answers that eval/bench_families.py writes, packed as the recipes pack them). ``--baseline-tree DIR``
 runs every configuration also on the ``specdraft`` package of another checkout (``git archive COMMIT | tar -x -C
-DIR``), alternating baseline and this tree ``--repeats`` times, and prints each one's median. ``offline`` first
+DIR``), alternating baseline and this tree ``--repeats`` times, and prints each one's median; ``--compare
+KEY=VALUE`` alternates each configuration with and without those overrides the same way. ``offline`` first
 writes the target's features with ``cache-features`` and then trains from them (the target forward leaves the
 step). The loop times the target forward inside each step, so tokens/s and the target's share come from the same
 run; the figures are those of the second logging window (warm). Host timers: exact on CPU; on
@@ -116,6 +119,9 @@ def main() -> int:
     parser.add_argument("--data", default=None, help="chat answers (messages JSONL) instead of plain text")
     parser.add_argument("--baseline-tree", default=None, type=Path,
                         help="another checkout's root: each configuration also runs on its specdraft package")
+    parser.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE",
+                        help="each configuration also runs with these overrides added (alternated with the plain "
+                             "one), e.g. training.compile=true")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (alternated); medians")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -127,6 +133,10 @@ def main() -> int:
     steps = args.steps or (40 if small else 12)
     micro_batch, max_length = args.micro_batch or (8 if small else 4), args.max_length or (256 if small else 512)
     trees = {"baseline": args.baseline_tree.resolve(), "this tree": REPO} if args.baseline_tree else {"this tree": REPO}
+    # (name, tree, added overrides), alternated within each repeat
+    variants = [(name, tree, []) for name, tree in trees.items()]
+    if args.compare:
+        variants += [(f"{name} + {' '.join(args.compare)}", tree, args.compare) for name, tree in trees.items()]
     rows = []
     for family in args.families:
         recipe = REPO / "recipes" / f"{RECIPE_PREFIX[args.target]}{family}.yaml"
@@ -134,13 +144,14 @@ def main() -> int:
             config = {"family": family, "mode": mode, "recipe": str(recipe), "steps": steps, "threads": args.threads,
                       "micro_batch": micro_batch, "max_length": max_length, "overrides": args.set,
                       "data": str(Path(args.data).resolve()) if args.data else None}
-            runs = {name: [] for name in trees}
+            runs = {name: [] for name, _, _ in variants}
             for repeat in range(args.repeats):
-                for name, tree in trees.items():  # alternated, so a drift in the machine's speed hits both
+                for name, tree, added in variants:  # alternated, so a drift in the machine's speed hits each
                     print(f"{family} {mode} ({name}, run {repeat + 1}): {steps} steps ...", flush=True)
                     path = [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
                     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-                    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], check=False,
+                    child = {**config, "overrides": config["overrides"] + added}
+                    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], check=False,
                                           capture_output=True, text=True, env=env)
                     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
                     if done.returncode or not result:

@@ -57,6 +57,10 @@ class DataConfig:
     # choice); buckets = micro_batch_size rows of one of 4 widths (max_length / 8, / 4, / 2, max_length), so a
     # GPU meets 4 shapes a run, not a new one every step (plans, compiled graphs); auto = buckets on CUDA.
     shapes: str = "auto"
+    # A token budget per micro-batch (the GPU recipes'): each batch is tokens_per_micro_batch / max_length packed
+    # rows of max_length, filled with as many samples as fit, whatever their lengths: one shape a run, and the
+    # same work every step. Needs packing: true; training.micro_batch_size is then not used.
+    tokens_per_micro_batch: int | None = None
     eval_fraction: float = 0.02  # ignored when eval_path is set
     # A separate eval file (same format), e.g. answers to prompts from held-out sources: the eval
     # metrics then measure generalisation, as decoding on new prompts will, not memory of the training set.
@@ -92,6 +96,9 @@ class TrainingConfig:
     eval_batches: int = 20
     feature_cache: str | None = None  # offline mode: folder written by `specdraft cache-features`
     num_workers: int = 0
+    # torch.compile the drafter's forward and loss at fixed shapes (needs data.tokens_per_micro_batch or
+    # data.shapes: buckets); families whose loss cannot run at fixed shapes are refused, with the reason.
+    compile: bool = False
 
 
 @dataclass
@@ -292,6 +299,21 @@ def _expand_home(recipe: Recipe) -> None:
             setattr(getattr(recipe, section), key, str(Path(value).expanduser()))
 
 
+def _check_token_budget(r: Recipe) -> None:
+    budget, width = r.data.tokens_per_micro_batch, r.data.max_length
+    if budget is None:
+        return
+    if not r.data.packing:
+        raise SpecdraftError("'data.tokens_per_micro_batch' fills packed rows: set data.packing: true (or drop the "
+                             "token budget and use training.micro_batch_size)")
+    if width < 1 or budget < width or budget % width:
+        raise SpecdraftError(f"'data.tokens_per_micro_batch' ({budget}) must be a whole number of rows of "
+                             f"data.max_length ({width} tokens): e.g. {max(1, budget // max(width, 1)) * width}")
+    if r.training.feature_cache:
+        raise SpecdraftError("'data.tokens_per_micro_batch' packs samples into rows, whose features a feature cache "
+                             "(training.feature_cache, stored per sample) does not hold: drop one of the two")
+
+
 def _check_values(r: Recipe) -> None:
     t = r.training
     if (t.max_steps is None) == (t.epochs is None):
@@ -299,6 +321,7 @@ def _check_values(r: Recipe) -> None:
     if r.data.shapes == "buckets" and r.training.feature_cache:
         raise SpecdraftError("'data.shapes' buckets needs the target's features at each batch's shape, which a "
                              "feature cache (training.feature_cache) does not store: use data.shapes: dynamic")
+    _check_token_budget(r)
     choices = {
         "training.mixed_precision": (t.mixed_precision, ("no", "bf16", "fp16")),
         "optimizer.schedule": (r.optimizer.schedule, ("cosine", "linear", "constant")),

@@ -415,3 +415,9 @@ class Family:
     # The drafter section `specdraft selftest` trains the family with: 8 steps on the toy target in seconds, every
     # path switched on, and at least 3 drafts a step (selftest decodes chains of 3). {}: the family's defaults.
     selftest_settings: dict = field(default_factory=dict)
+    # training.compile: (drafter) -> its loss, (batch, target_out) -> LossOutput, switched to fixed shapes and no
+    # host read (every row computed and masked, none gathered by a count), for torch.compile to capture whole.
+    # None: the family does not compile, and ``compile_refusal`` says why.
+    static_loss: Callable[[Any], Callable[..., LossOutput]] | None = None
+    compile_refusal: str = ""
+

@@ -31,7 +31,8 @@ def document_lengths(attention_mask: torch.Tensor, seq_ids: torch.Tensor | None 
     if seq_ids is None:
         return real.sum(1, keepdim=True).expand_as(real)
     docs = seq_ids + 1  # padding -> 0: a bucket no real token adds to
-    per_doc = torch.zeros(docs.shape[0], int(docs.max()) + 1, dtype=torch.long, device=docs.device)
+    # A row holds at most T documents: T + 1 buckets, a fixed shape and no host read of the largest id.
+    per_doc = torch.zeros(docs.shape[0], docs.shape[1] + 1, dtype=torch.long, device=docs.device)
     return per_doc.scatter_add_(1, docs, real * (docs > 0)).gather(1, docs)
 
 
@@ -51,6 +52,20 @@ def counted_rows(weights: list[torch.Tensor], row_length: int) -> list[torch.Ten
     where = stacked.nonzero()  # [n, 3], ordered by step: the one host sync
     flat = where[:, 1] * row_length + where[:, 2]
     return list(flat.split(stacked.sum((1, 2)).tolist()))
+
+
+def every_row(weights: list[torch.Tensor], row_length: int) -> list[torch.Tensor]:
+    """``counted_rows`` at fixed shapes: for each weight ``[B, R_k]``, the flat indices ``b * row_length + i`` of all
+    its entries, counted or not, with no host read. A loss over them masks with ``weights_at``; it computes the
+    rows it does not count, and a compiled step keeps one shape."""
+    rows = torch.arange(weights[0].shape[0], device=weights[0].device)[:, None] * row_length
+    return [(rows + torch.arange(w.shape[1], device=w.device)).reshape(-1) for w in weights]
+
+
+def weights_at(weight: torch.Tensor, index: torch.Tensor, row_length: int) -> torch.Tensor:
+    """The bool ``weight`` ``[B, R]`` at the flat indices ``index`` (from ``counted_rows``: all True, or
+    ``every_row``): the mask of a loss over those rows."""
+    return F.pad(weight.bool(), (0, row_length - weight.shape[1])).reshape(-1).index_select(0, index)
 
 
 def rows_at(x: torch.Tensor, index: torch.Tensor, shift: int = 0) -> torch.Tensor:

@@ -39,7 +39,7 @@ from .checkpoint import (
 )
 from .config import Recipe
 from .contract import Drafter, TargetNeeds, TrainingContext
-from .data.collate import Collator, bucket_widths, pad_token_id_of
+from .data.collate import Collator, EpochOrder, TokenBudgetBatches, bucket_widths, pad_token_id_of
 from .data.formats import check_data_source
 from .data.pipeline import build_datasets, data_fingerprint, vocab_cache_key_parts
 from .data.vocab import build_draft_vocab
@@ -89,25 +89,26 @@ class TrainStep(nn.Module):
     ``prepare`` and ``compute_loss`` as its forward, so the wrappers see one ordinary forward call
     (and adapters inside the target, where a family trains them, take part in it)."""
 
-    def __init__(self, drafter: Drafter, target: FrozenTarget, caches: dict | None):
+    def __init__(self, drafter: Drafter, target: FrozenTarget, caches: dict | None, compute_loss=None):
         super().__init__()
         self.trained = drafter.trained_module()
-        # In a tuple, outside the module tree: never wrapped, cast, sharded or saved by the loop.
-        self._outside = (drafter, target, caches)
+        # In a tuple, outside the module tree: never wrapped, cast, sharded or saved by the loop. compute_loss:
+        # the drafter's own, or its fixed-shape loss compiled (training.compile).
+        self._outside = (drafter, target, caches, compute_loss or drafter.compute_loss)
         # Which target the drafter trains for, recorded with every save (specdraft.target_fingerprint).
         self.target_probe = embedding_probe(target.embed_tokens.weight)
         self.prepare_seconds = 0.0  # training time in prepare: the target forward (or generation)
         self.total_steps = 0  # set once the loader is sharded (build_run): the run's length, for prepare
 
     def forward(self, batch: dict[str, torch.Tensor], step: int, split: str = "train"):
-        drafter, target, caches = self._outside
+        drafter, target, caches, compute_loss = self._outside
         context = TrainingContext(target, None if caches is None else caches[split], step, split == "train",
                                   self.total_steps)
         start = time.perf_counter()
         example = drafter.prepare(batch, context)
         if split == "train":
             self.prepare_seconds += time.perf_counter() - start
-        out = drafter.compute_loss(example.batch, example.target)
+        out = compute_loss(example.batch, example.target)
         return out.loss, out.metrics, example.batch["attention_mask"].sum()
 
     def save_pretrained(self, path):
@@ -187,6 +188,9 @@ def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> Targe
     family = get_family(recipe.drafter_family)
     if family.check_recipe is not None:
         family.check_recipe(recipe)
+    if recipe.training.compile and family.static_loss is None:
+        raise SpecdraftError(f"training.compile: the {family.name} family does not compile: {family.compile_refusal}. "
+                             "Train it eager (training.compile: false); eagle1 and eagle3 compile.")
     check_data_source(recipe.data.path)
     if recipe.data.eval_path:
         check_data_source(recipe.data.eval_path)
@@ -238,10 +242,7 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
         train_ds = train_ds.add_column("sample_index", list(range(len(train_ds))))
         eval_ds = eval_ds.add_column("sample_index", list(range(len(eval_ds))))
         collate = with_sample_index(collate)
-    loader = torch.utils.data.DataLoader(train_ds, batch_size=tcfg.micro_batch_size, shuffle=True,
-                                         collate_fn=collate, num_workers=tcfg.num_workers,
-                                         generator=torch.Generator().manual_seed(tcfg.seed))
-    eval_loader = torch.utils.data.DataLoader(eval_ds, batch_size=tcfg.micro_batch_size, collate_fn=collate)
+    loader, eval_loader = data_loaders(recipe, train_ds, eval_ds, collate)
 
     # The data first: the run's length is known once the loader is sharded across the processes, and the
     # drafter configures its optimisation for that length (nanoGPT's configure_optimizers).
@@ -251,12 +252,12 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     optimization = drafter.configure_optimizers(recipe, total_steps)
     o = recipe.optimizer
     optimizer = torch.optim.AdamW(optimization.param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    step_module = TrainStep(drafter, target, caches)
+    step_module = TrainStep(drafter, target, caches, compiled_loss(recipe, family, drafter, accelerator.device))
     step_module.total_steps = total_steps
     check_target_stays_whole(accelerator, step_module, target)
     if optimization.unused_parameters:
         look_for_unused_parameters(accelerator)
-    fill_deepspeed_micro_batch(accelerator, tcfg.micro_batch_size)
+    fill_deepspeed_micro_batch(accelerator, batch_shapes(recipe, accelerator.device).get("rows", tcfg.micro_batch_size))
     step_module, optimizer = accelerator.prepare(step_module, optimizer)
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper steps it
     # once per process, which would make N processes follow a different schedule than one.
@@ -535,9 +536,47 @@ def write_final_drafter(run: Run) -> None:
         ) from e
 
 
+def compiled_loss(recipe: Recipe, family, drafter: Drafter, device: torch.device):
+    """``training.compile``: the family's fixed-shape loss, torch.compiled whole (``fullgraph``: a graph break, a
+    host read inside the loss, is an error, not a slow step) for the run's few batch shapes; else None."""
+    if not recipe.training.compile:
+        return None
+    if not batch_shapes(recipe, device):
+        raise SpecdraftError("training.compile needs fixed batch shapes, or it compiles again at every new one: set "
+                             "data.tokens_per_micro_batch (one shape) or data.shapes: buckets (four)")
+    return torch.compile(family.static_loss(drafter), dynamic=False, fullgraph=True)
+
+
+def data_loaders(recipe: Recipe, train_ds, eval_ds, collate) -> tuple:
+    """The train loader (shuffled by ``training.seed``, epoch by epoch) and the held-out one: batches of
+    ``training.micro_batch_size`` samples, or with ``data.tokens_per_micro_batch`` as many as its rows hold."""
+    tcfg, data = recipe.training, recipe.data
+    if data.tokens_per_micro_batch is None:
+        loader = torch.utils.data.DataLoader(train_ds, batch_size=tcfg.micro_batch_size, shuffle=True,
+                                             collate_fn=collate, num_workers=tcfg.num_workers,
+                                             generator=torch.Generator().manual_seed(tcfg.seed))
+        return loader, torch.utils.data.DataLoader(eval_ds, batch_size=tcfg.micro_batch_size, collate_fn=collate)
+    rows = data.tokens_per_micro_batch // data.max_length
+
+    def batches(dataset, shuffle):
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        return TokenBudgetBatches(lengths, rows, data.max_length, EpochOrder(len(dataset), tcfg.seed, shuffle))
+
+    # The generator: each iterator draws its workers' base seed from it, not from torch's global RNG, whose state
+    # a resume restores and which a draw at another moment (the resume's first iterator) would shift.
+    generator = torch.Generator().manual_seed(tcfg.seed)
+    return (torch.utils.data.DataLoader(train_ds, batch_sampler=batches(train_ds, True), collate_fn=collate,
+                                        num_workers=tcfg.num_workers, generator=generator),
+            torch.utils.data.DataLoader(eval_ds, batch_sampler=batches(eval_ds, False), collate_fn=collate))
+
+
 def batch_shapes(recipe: Recipe, device: torch.device) -> dict:
-    """The Collator's fixed shapes for ``data.shapes`` (auto: buckets on CUDA, dynamic elsewhere, and with a
-    feature cache, whose features are stored at each sample's own length)."""
+    """The Collator's fixed shapes: one, ``[tokens_per_micro_batch / max_length, max_length]``, with a token budget;
+    else as ``data.shapes`` says (auto: buckets on CUDA, dynamic elsewhere, and with a feature cache, whose
+    features are stored at each sample's own length)."""
+    if recipe.data.tokens_per_micro_batch is not None:
+        return {"rows": recipe.data.tokens_per_micro_batch // recipe.data.max_length,
+                "widths": (recipe.data.max_length,)}
     if recipe.data.shapes == "dynamic" or recipe.training.feature_cache or \
             (recipe.data.shapes == "auto" and device.type != "cuda"):
         return {}

@@ -2,6 +2,7 @@
 of shapes; the padding they add changes no loss and no gradient."""
 
 import collections
+import json
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from spine import make_chat_data
 
 from specdraft import train as loop
 from specdraft.config import load_recipe
-from specdraft.data.collate import Collator, bucket_widths, pad_token_id_of
+from specdraft.data.collate import Collator, EpochOrder, TokenBudgetBatches, bucket_widths, pack, pad_token_id_of
 
 # What makes a family's step random, switched off so the two layouts can be compared value for value: EAGLE-1's
 # feature noise, DFlash's anchor sampling (all positions are anchors), DistillSpec's on-policy samples.
@@ -83,3 +84,70 @@ def test_a_bucketed_run_meets_at_most_four_batch_shapes(chat, tmp_path, monkeypa
         met[layout] = {shape for split, shape in shapes if split == "train"}
     assert len(met["buckets"]) <= 4, met["buckets"]
     assert len(met["dynamic"]) > 4  # the check can fail: without buckets, these answers' lengths vary
+
+
+# -- a token budget per micro-batch (data.tokens_per_micro_batch) ----------------------------------------------
+
+
+def test_token_budget_batches_fill_their_rows_and_hold_every_sample_once_an_epoch():
+    lengths = [7, 3, 9, 2, 5, 8, 1, 6, 4, 10, 3, 3] * 5
+    order = EpochOrder(len(lengths), seed=3)
+    sampler = TokenBudgetBatches(lengths, rows=2, max_length=10, sampler=order)
+    epochs = []
+    for epoch in (0, 1, 0):
+        order.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(sampler) == len(batches)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        for b in batches:  # each fits in 2 rows of 10 as the Collator packs it, and the next sample did not
+            assert len(pack([lengths[i] for i in b], 10)) <= 2
+        for b, after in zip(batches, batches[1:]):
+            assert len(pack([lengths[i] for i in b + after[:1]], 10)) > 2
+        epochs.append(batches)
+    assert epochs[0] == epochs[2] and epochs[0] != epochs[1]  # the epoch's order, drawn again the same
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "distillspec"])  # DistillSpec does not pack
+def test_a_token_budget_batch_gives_the_unpacked_samples_loss_and_gradients(family, chat, tmp_path):
+    """The samples of one budget batch, packed into [rows, max_length], against the same samples one to a row."""
+    recipe = load_recipe(f"toy_{family}", [f"data.path={chat}", f"checkpoint.output_dir={tmp_path / 'run'}",
+                                           "training.max_steps=1", "eval.enabled=false", "data.packing=true",
+                                           "data.max_length=256", "data.tokens_per_micro_batch=512",
+                                           *DETERMINISTIC.get(family, [])])  # fmt: skip
+    run = loop.build_run(recipe, False, False, loop.check_before_loading(recipe, False, False))
+    indices = next(iter(run.loader.batch_sampler))
+    samples = [dict(run.loader.dataset[i]) for i in indices]
+    assert len(samples) > 2  # several answers share each row
+    pad = pad_token_id_of(run.target.tokenizer)
+    seen = {}
+    for name, collate in (("unpacked", Collator(pad, 256)),
+                          ("budget", Collator(pad, 256, True, **loop.batch_shapes(recipe, torch.device("cpu"))))):
+        batch = collate([dict(s) for s in samples])
+        run.optimizer.zero_grad(set_to_none=True)
+        loss, _, tokens = run.step_module(batch, 0)
+        run.accelerator.backward(loss)
+        grads = {n: p.grad.clone() for n, p in run.step_module.named_parameters() if p.grad is not None}
+        seen[name] = (batch["input_ids"].shape, loss.detach(), int(tokens), grads)
+    (_, loss, tokens, grads), (shape, budget_loss, budget_tokens, budget_grads) = seen["unpacked"], seen["budget"]
+    assert shape == (2, 256) and budget_tokens == tokens
+    torch.testing.assert_close(budget_loss, loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == budget_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(budget_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_token_budget_run_meets_one_batch_shape_and_counts_its_tokens(chat, tmp_path, monkeypatch):
+    shapes = collections.Counter()
+    real = loop.TrainStep.forward
+    monkeypatch.setattr(loop.TrainStep, "forward", lambda self, batch, step, split="train": (
+        shapes.update([(split, tuple(batch["input_ids"].shape))]), real(self, batch, step, split))[1])
+    recipe = load_recipe("toy_eagle3", [f"data.path={chat}", f"checkpoint.output_dir={tmp_path / 'run'}",
+                                        "training.max_steps=40", "training.log_every=10", "checkpoint.save_every=1000",
+                                        "training.eval_every=20", "eval.enabled=false", "data.packing=true",
+                                        "data.max_length=128", "data.tokens_per_micro_batch=256"])  # fmt: skip
+    run_dir = loop.train(recipe, show_progress=False)
+    assert {shape for _, shape in shapes} == {(2, 128)}, shapes
+    assert shapes[("train", (2, 128))] == 40 and shapes[("eval", (2, 128))] > 0
+    metrics = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in m]
+    seen = [m["train/tokens_seen"] for m in metrics if "train/tokens_seen" in m]
+    assert seen[-1] > 40 * 128  # over half the budget filled with real tokens on average

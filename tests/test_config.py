@@ -1,5 +1,6 @@
 """Recipes parse into typed configs; every shipped recipe is valid; mistakes name the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,21 @@ def test_mistakes_name_the_dotted_key(override, message):
     raw = yaml.safe_load(yaml.safe_dump(MINIMAL))
     with pytest.raises(SpecdraftError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         parse_recipe(apply_overrides(raw, [override]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.tokens_per_micro_batch=2048"], "fills packed rows: set data.packing: true"),
+    (["data.packing=true", "data.max_length=1024", "data.tokens_per_micro_batch=3000"],
+     "must be a whole number of rows of data.max_length (1024 tokens): e.g. 2048"),
+    (["data.packing=true", "data.max_length=1024", "data.tokens_per_micro_batch=512"],
+     "must be a whole number of rows of data.max_length (1024 tokens): e.g. 1024"),
+    (["data.packing=true", "data.max_length=512", "data.tokens_per_micro_batch=1024", "training.feature_cache=f"],
+     "a feature cache (training.feature_cache, stored per sample) does not hold"),
+])
+def test_a_token_budget_the_loop_cannot_fill_is_refused(overrides, message):
+    raw = yaml.safe_load(yaml.safe_dump(MINIMAL))
+    with pytest.raises(SpecdraftError, match=re.escape(message)):
+        parse_recipe(apply_overrides(raw, overrides))
 
 
 def test_missing_required_field():

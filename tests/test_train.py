@@ -166,6 +166,24 @@ def test_resume_after_kill_9_gives_identical_weights(killed_run):
     killed_run.check_resume("resumed")
 
 
+def token_budget_kill_9_runs(folder: Path) -> KilledRun:
+    """As ``kill_9_runs``, with batches filled to a token budget: several answers a batch, several epochs
+    before the kill, so the resume must draw the same epoch's order and skip the same batches."""
+    recipe = make_recipe(folder, folder / "target", folder / "chat.jsonl", training={"max_steps": KILL_STEPS},
+                         checkpoint={"save_every": KILL_SAVE_EVERY})
+    recipe["data"].update(packing=True, tokens_per_micro_batch=320)
+    accumulation = recipe["training"]["grad_accumulation"]
+    return KilledRun(folder, recipe, kill_at_call=(KILL_AT_STEP - 1) * accumulation + 1,
+                     checkpoint_step=KILL_AT_STEP - 1)
+
+
+def test_a_token_budget_run_resumes_exactly_after_kill_9_in_a_later_epoch(tmp_path_factory):
+    runs = built_killed_run(tmp_path_factory, "kill-9-token-budget", token_budget_kill_9_runs)
+    position = json.loads((checkpoint_dirs(runs.killed)[-1] / "trainer_state.json").read_text())["run"]
+    assert position["epoch"] >= 1 and position["batches_in_epoch"] > 0, position  # inside a later epoch
+    runs.check_resume("resumed")
+
+
 def check_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, target_dir, data, signal_name, env=None):
     """The shell's code for the signal (130 SIGINT, 143 SIGTERM), after a checkpoint at the step it came in."""
     recipe = write_recipe(tmp_path / "r.yaml", make_recipe(tmp_path, target_dir, data,

@@ -51,6 +51,58 @@ def pack(lengths: list[int], max_length: int) -> list[list[int]]:
     return rows
 
 
+class EpochOrder(torch.utils.data.Sampler):
+    """Every index once, in an order drawn from ``seed`` and the epoch (``set_epoch``, which accelerate's loaders
+    call): the same on every process, and again on a resume."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.n))
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class TokenBudgetBatches(torch.utils.data.Sampler):
+    """``batch_sampler`` for ``data.tokens_per_micro_batch``: consecutive samples of ``sampler``'s order, as many
+    as first-fit packs into ``rows`` rows of ``max_length`` tokens (a sample that fits in none starts the next
+    batch). The Collator, packing the same samples in the same order with ``rows``/``widths=(max_length,)``,
+    then gives every batch one shape, ``[rows, max_length]``, whatever the samples' lengths.
+
+    ``batch_size`` is None (the batches hold varying numbers of samples), which accelerate's sharding supports."""
+
+    batch_size = None
+    drop_last = False
+
+    def __init__(self, lengths: list[int], rows: int, max_length: int, sampler: EpochOrder):
+        self.lengths = [min(n, max_length) for n in lengths]
+        self.rows, self.max_length, self.sampler = rows, max_length, sampler
+
+    def __iter__(self):
+        batch: list[int] = []
+        room = [self.max_length] * self.rows
+        for i in self.sampler:
+            n = self.lengths[i]
+            row = next((r for r, free in enumerate(room) if free >= n), None)
+            if row is None:  # full: this sample opens the next batch
+                yield batch
+                batch, room, row = [], [self.max_length] * self.rows, 0
+            batch.append(i)
+            room[row] -= n
+        if batch:
+            yield batch
+
+    def __len__(self) -> int:  # this epoch's count: the packing is cheap to replay
+        return sum(1 for _ in self)
+
+
 class Collator:
     """``collate_fn`` for a DataLoader over ``build_datasets`` output (``input_ids``, ``loss_mask``).
 

@@ -711,6 +711,8 @@ DFLASH_EXPORTERS = {
 
 DFLASH = Family(name=FAMILY, config_cls=DFlashConfig, needs=dflash_needs, build=build_dflash, load=load_dflash,
                 exporters=DFLASH_EXPORTERS,
+                compile_refusal="each batch draws as many anchors as its row with the most answer tokens offers "
+                                "(a host read, and a new shape every step)",
                 selftest_settings={"block_size": 4, "num_layers": 1, "num_anchors": 8,
                                    "mask_token_id": 1})  # the toy's <|pad|>, as recipes/toy_dflash.yaml
 

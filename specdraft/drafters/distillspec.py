@@ -449,5 +449,7 @@ DISTILLSPEC = Family(
     load=load_distillspec,
     exporters={"hf": FolderExporter(write_model_folder, check_model_folder, SERVE_HINT)},
     check_recipe=check_distillspec_recipe,
+    compile_refusal="the student's LM head runs over the counted positions, picked by a boolean mask (a new "
+                    "shape every step), and on-policy rows are generated inside the step",
     selftest_settings={"num_layers": 2, "on_policy_fraction": 0.5, "generation_max_new_tokens": 16},  # on-policy
 )

@@ -36,8 +36,8 @@ from torch import nn
 
 from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..errors import SpecdraftError
-from ..losses import DRAFTER_LOSSES, check_drafter_loss
-from ..masks import block_causal_mask, counted_rows, document_lengths, rows_at, shift_left
+from ..losses import DRAFTER_LOSSES, check_drafter_loss, masked_mean
+from ..masks import block_causal_mask, counted_rows, document_lengths, every_row, rows_at, shift_left, weights_at
 from ..transformers_compat import cache_kwargs
 from .eagle_common import (
     BorrowsTargetWeights,
@@ -168,18 +168,18 @@ class Eagle1Drafter(BorrowsTargetWeights, nn.Module):
             weight = weight & (batch["seq_ids"][:, :rows] == batch["seq_ids"][:, 2:])
 
         # The LM head and the loss run over the counted rows only (not the prompts' tokens or the padding).
-        (index,) = counted_rows([weight], T)
+        (index,) = every_row([weight], T) if self.static_shapes else counted_rows([weight], T)
         predicted_rows = rows_at(predicted, index)
         draft_logits = self.draft_logits(predicted_rows)
         target_logits = rows_at(target_out.logits, index, shift=1)  # the target's dtype: read as float32 below
-        every = torch.ones(index.shape, dtype=torch.bool, device=index.device)
+        counted = weights_at(weight, index, T)
         loss, regression, classification = eagle1_loss(
             predicted_rows, rows_at(features, index, shift=1), draft_logits,
             torch.softmax(target_logits, -1, dtype=torch.float32),
-            every, self.config.cls_weight, DRAFTER_LOSSES[self.config.loss],
+            counted, self.config.cls_weight, DRAFTER_LOSSES[self.config.loss],
         )
         with torch.no_grad():
-            acc = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean().nan_to_num(0.0)
+            acc = masked_mean((draft_logits.argmax(-1) == target_logits.argmax(-1)).float(), counted)
         metrics = {"loss_reg": regression.detach(), "loss_cls": classification.detach(), "acc_0": acc}
         return LossOutput(loss, metrics)
 
@@ -208,5 +208,5 @@ def load_eagle1(path, target) -> Eagle1Drafter:
 
 
 EAGLE1 = Family(name="eagle1", config_cls=Eagle1Config, needs=eagle1_needs, build=build_eagle1, load=load_eagle1,
-                exporters=EAGLE1_EXPORTERS,
+                exporters=EAGLE1_EXPORTERS, static_loss=Eagle1Drafter.static_loss,
                 selftest_settings={"fc_bias": False})  # vLLM's EAGLE-1 export (no fc bias) among those checked

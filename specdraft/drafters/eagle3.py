@@ -69,7 +69,8 @@ from ..contract import Family, LossOutput, TargetNeeds, TargetOutputs
 from ..data.vocab import DraftVocab
 from ..errors import SpecdraftError
 from ..losses import DRAFTER_LOSSES, check_drafter_loss
-from ..masks import block_causal_mask, counted_rows, gathered_index, gathered_rows, rows_at, shift_left
+from ..masks import (block_causal_mask, counted_rows, every_row, gathered_index, gathered_rows, rows_at,
+                     shift_left, weights_at)
 from .eagle_common import (
     BorrowsTargetWeights,
     DraftCache,
@@ -319,9 +320,9 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
             counted.append(weight)
         # Steps 1.. run only where a later step's loss counts, and the LM head and the loss only over the
         # counted rows (not the prompts' tokens or the padding).
-        indices = counted_rows(counted, T)
+        indices = every_row(counted, T) if self.static_shapes else counted_rows(counted, T)
         rows = rank = None
-        if len(counted) > 1:
+        if len(counted) > 1 and not self.static_shapes:
             rows, rank = gathered_rows(torch.stack([F.pad(w, (0, T - w.shape[1])) for w in counted[1:]]).any(0))
             if rows.shape[1] == 0:  # no later step counts anywhere: nothing to run them at
                 rows = None
@@ -330,11 +331,12 @@ class Eagle3Drafter(BorrowsTargetWeights, nn.Module):
         for k, (hidden, weight, index) in enumerate(zip(steps, counted, indices)):
             step_rows = index if k == 0 or rows is None else gathered_index(index, rank, rows.shape[1])
             step_hidden, step_target = rows_at(hidden, step_rows), rows_at(target_probs, index, shift=k + 1)
-            every = torch.ones(index.shape, dtype=torch.bool, device=index.device)
+            step_weight = weights_at(weight, index, T)
             if self.config.checkpoint_logits and torch.is_grad_enabled():
-                step_loss, draft_top = checkpoint(self.step_loss, step_hidden, step_target, every, use_reentrant=False)
+                step_loss, draft_top = checkpoint(self.step_loss, step_hidden, step_target, step_weight,
+                                                  use_reentrant=False)
             else:
-                step_loss, draft_top = self.step_loss(step_hidden, step_target, every)
+                step_loss, draft_top = self.step_loss(step_hidden, step_target, step_weight)
             losses.append(step_loss)
             with torch.no_grad():  # the target's top-1 within the draft vocabulary
                 hit = torch.zeros(B * T, dtype=torch.bool, device=index.device)
@@ -415,6 +417,6 @@ def load_eagle3(path, target) -> Eagle3Drafter:
 
 EAGLE3 = Family(
     name="eagle3", config_cls=Eagle3Config, needs=eagle3_needs, build=build_eagle3, load=load_eagle3,
-    exporters=EAGLE3_EXPORTERS, needs_draft_vocab=True,
+    exporters=EAGLE3_EXPORTERS, needs_draft_vocab=True, static_loss=Eagle3Drafter.static_loss,
     selftest_settings={"ttt_steps": 3, "draft_vocab_size": 1024},  # the reduced draft vocabulary
 )

@@ -286,8 +286,17 @@ class BorrowsTargetWeights:
     frequencies (the rotary module moves them to the input's device itself).
     """
 
+    # training.compile: every row computed and masked (``masks.every_row``) instead of the counted ones gathered,
+    # so that a step has fixed shapes and no host read.
+    static_shapes = False
+
     def bind_target(self, target) -> None:
         self._borrowed = (target.embed_tokens, target.lm_head, make_rotary(target))
+
+    def static_loss(self):
+        """``Family.static_loss``: this drafter's ``compute_loss``, switched to fixed shapes."""
+        self.static_shapes = True
+        return self.compute_loss
 
     @property
     def embed_tokens(self) -> nn.Embedding:

@@ -649,4 +649,6 @@ MEDUSA_EXPORTERS = {
 
 MEDUSA1 = Family(name="medusa1", config_cls=MedusaConfig, needs=medusa_needs, build=build_medusa, load=load_medusa,
                  exporters=MEDUSA_EXPORTERS, needs_draft_vocab=True,
+                 compile_refusal="its heads run over the counted rows only (masks.counted_rows: a host read, and a "
+                                 "new shape every step)",
                  selftest_settings={"num_heads": 3, "num_layers": 1})

@@ -406,4 +406,6 @@ MERGED = FolderExporter(
 MEDUSA2 = Family(name="medusa2", config_cls=Medusa2Config, needs=medusa2_needs, build=build_medusa2,
                  load=load_medusa2, exporters={"merged": MERGED}, needs_draft_vocab=True,
                  eval_report=drift_report,
+                 compile_refusal="its heads run over the counted rows only (masks.counted_rows: a host read, and a "
+                                 "new shape every step), and its LoRA adapters train inside the target's forward",
                  selftest_settings={"num_heads": 3, "num_layers": 1, "lora_r": 8, "joint_from_step": 0})

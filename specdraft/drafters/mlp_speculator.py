@@ -717,6 +717,8 @@ VLLM_SERVE_HINT = (
 # "hf" is the default copy of the drafter folder (specdraft.export.DRAFTER_FOLDER): fms-extras' layout.
 MLP_SPECULATOR = Family(name=FAMILY, config_cls=MLPSpeculatorConfig, needs=mlp_speculator_needs,
                         build=build_mlp_speculator, load=load_mlp_speculator,
+                        compile_refusal="its heads run over the counted positions only (masks.counted_rows: a host "
+                                        "read, and a new shape every step), and stage 2 generates inside the step",
                         exporters={"vllm": Exporter(write=_same_folder, read_back=lambda saved, tensors: tensors,
                                                     serve_hint=VLLM_SERVE_HINT,
                                                     draft_length=lambda saved, opts: saved["n_predict"])},  # fms-extras layout
