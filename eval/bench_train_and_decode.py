@@ -119,6 +119,7 @@ def train_for(family: str, recipe_path: Path, overrides: list[str], run_dir: Pat
     final = {k: v for entry in logs for k, v in entry.items() if k.startswith("eval/")}
     return {"family": family, "steps": steps, "seconds": round(seconds, 1), "probe_step_seconds": probe_step_seconds,
             "tokens_per_s": [e["train/tokens_per_s"] for e in logs if "train/tokens_per_s" in e][-1],
+            "tokens": [e["train/tokens_seen"] for e in logs if "train/tokens_seen" in e][-1],
             "eval": final, "peak_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
             else None}  # fmt: skip
 
@@ -214,11 +215,12 @@ def main() -> int:
              f"{len(fits)} prompts, max {args.max_new_tokens} new tokens, {dtype})", "",
              f"`python eval/bench_train_and_decode.py {' '.join(sys.argv[1:])}`", "",
              f"answers: {len(train_set)} prompts in {answer_seconds:.0f} s ({record})", "",
-             "| family | steps | train s | tokens/s | peak GPU GiB | eval acc_0 / sim_accept_len |",
-             "|---|---:|---:|---:|---:|---|"]
+             "| family | steps | train s | tokens | tokens/s | peak GPU GiB | eval acc_0 / sim_accept_len |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for family, run in trained.items():
         peak = "-" if run["peak_cuda_gib"] is None else f"{run['peak_cuda_gib']:.1f}"
-        lines.append(f"| {family} | {run['steps']} | {run['seconds']:.0f} | {run['tokens_per_s']:.0f} | {peak} | "
+        lines.append(f"| {family} | {run['steps']} | {run['seconds']:.0f} | {run['tokens']:,.0f} | "
+                     f"{run['tokens_per_s']:.0f} | {peak} | "
                      f"{run['eval'].get('eval/acc_0', float('nan')):.3f} / "
                      f"{run['eval'].get('eval/sim_accept_len', float('nan')):.2f} |")
     lines += ["", table(runs)]

@@ -190,7 +190,7 @@ def check_before_loading(recipe: Recipe, resume: bool, overwrite: bool) -> Targe
         family.check_recipe(recipe)
     if recipe.training.compile and family.static_loss is None:
         raise SpecdraftError(f"training.compile: the {family.name} family does not compile: {family.compile_refusal}. "
-                             "Train it eager (training.compile: false); eagle1 and eagle3 compile.")
+                             "Train it eager (training.compile: false); eagle1, eagle3 and dflash compile.")
     check_data_source(recipe.data.path)
     if recipe.data.eval_path:
         check_data_source(recipe.data.eval_path)

@@ -300,6 +300,9 @@ class DFlashLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     family = FAMILY
+    # training.compile: every batch draws num_anchors anchors (those a row lacks are masked), not as many as its
+    # fullest row offers, so a step has fixed shapes and no host read.
+    static_shapes = False
 
     def __init__(self, target, cfg: DFlashConfig, taps: tuple[int, ...]):
         super().__init__()
@@ -366,14 +369,27 @@ class DFlashDrafter(nn.Module):
         """SpecForge's _sample_anchor_positions: up to num_anchors positions per row drawn uniformly, without
         replacement, among ``valid`` [B, T]; returns anchors [B, N] (sorted) and which are real [B, N]."""
         counts = valid.sum(1)
-        N = max(min(self.config.num_anchors, int(counts.max())), 1)  # one host sync per micro-batch
-        noise = torch.rand(valid.shape, generator=generator, device="cpu").to(valid.device)
+        if self.static_shapes:
+            N = min(self.config.num_anchors, valid.shape[1])
+        else:
+            N = max(min(self.config.num_anchors, int(counts.max())), 1)  # one host sync per micro-batch
+        if self.static_shapes and generator is not None:  # held-out, compiled (no generator in a graph): a fixed
+            # pseudo-random value per position, so every eval draws the same anchors
+            at = torch.arange(valid.numel(), device=valid.device, dtype=torch.float32).view(valid.shape)
+            noise = torch.frac(torch.sin(at * 12.9898) * 43758.5453).abs()
+        else:
+            noise = torch.rand(valid.shape, generator=generator, device="cpu").to(valid.device)
         noise = torch.where(valid, noise, torch.full_like(noise, 2.0))  # invalid positions sort last
         chosen = noise.argsort(dim=1)[:, :N]
         chosen = torch.where(valid.gather(1, chosen), chosen, valid.shape[1])  # invalid picks sort last
         anchors = chosen.sort(dim=1).values
         keep = torch.arange(N, device=valid.device)[None] < counts[:, None]
         return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
+
+    def static_loss(self):
+        """``Family.static_loss``: this drafter's ``compute_loss``, switched to fixed shapes."""
+        self.static_shapes = True
+        return self.compute_loss
 
     def compute_loss(self, batch: dict[str, torch.Tensor], target_out: TargetOutputs) -> LossOutput:
         ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
@@ -710,9 +726,7 @@ DFLASH_EXPORTERS = {
 }
 
 DFLASH = Family(name=FAMILY, config_cls=DFlashConfig, needs=dflash_needs, build=build_dflash, load=load_dflash,
-                exporters=DFLASH_EXPORTERS,
-                compile_refusal="each batch draws as many anchors as its row with the most answer tokens offers "
-                                "(a host read, and a new shape every step)",
+                exporters=DFLASH_EXPORTERS, static_loss=DFlashDrafter.static_loss,
                 selftest_settings={"block_size": 4, "num_layers": 1, "num_anchors": 8,
                                    "mask_token_id": 1})  # the toy's <|pad|>, as recipes/toy_dflash.yaml
 
