@@ -18,7 +18,20 @@ KEY=VALUE`` alternates each configuration with and without those overrides the s
 writes the target's features with ``cache-features`` and then trains from them (the target forward leaves the
 step). The loop times the target forward inside each step, so tokens/s and the target's share come from the same
 run; the figures are those of the second logging window (warm). Host timers: exact on CPU; on
-CUDA run with CUDA_LAUNCH_BLOCKING=1 for a meaningful split.
+CUDA run with CUDA_LAUNCH_BLOCKING=1 for a meaningful split. ``shapes`` counts the distinct batch shapes the
+drafter met in training (one with data.tokens_per_micro_batch).
+
+MFU (EAGLE-1 and EAGLE-3; "-" elsewhere, and on a device whose bf16 peak is not in ``PEAK_BF16``) is training
+tokens/s x FLOPs per token / the card's dense bf16 peak, with the FLOPs counted analytically (2 per multiply-add;
+a frozen forward once, a trained one 3 times, for its backward; causal attention over c = half a row of T
+tokens; target: L layers of hidden H, MLP width I, K/V width H_kv; E = the matmul weights of one decoder layer,
+2 H^2 + 2 H H_kv + 3 H I):
+    target forward          2 L E + 4 L c H + 2 R H      R = the logit rows it computes (EAGLE-3: its draft
+                                                         vocabulary N; EAGLE-1: the whole vocabulary V)
+    EAGLE-3 drafter         3 [2 (3H) H + S (2 E_3 + 2 N H + 4 c H)]      S training-time-test steps, E_3 = E
+                                                                          with 2H-wide inputs to q, k and v
+    EAGLE-1 drafter         3 [2 (2H) H + 2 E + 4 c H] + 4 V H            the target's frozen head: forward and
+                                                                          the gradient of its input
 """
 
 from __future__ import annotations
@@ -38,6 +51,26 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m-", "toy": "toy_"}
+# Dense bf16 peaks (FLOP/s), by a name torch.cuda.get_device_name() contains: the vendors' datasheets (SXM parts).
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def flops_per_token(family: str, target_config, drafter, row_length: int) -> float | None:
+    """The docstring's FLOPs per training token, or None for a family it does not count."""
+    c = target_config
+    H, I, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (getattr(c, "head_dim", None) or H // c.num_attention_heads)
+    E, ctx = 2 * H * H + 2 * H * kv + 3 * H * I, row_length / 2
+    if family == "eagle3":
+        N, S = drafter.draft_vocab_size or c.vocab_size, drafter.ttt_steps
+        E3 = E + H * H + 2 * H * kv  # q, k and v read 2H
+        target = 2 * L * E + 4 * L * ctx * H + 2 * N * H
+        return target + 3 * (2 * 3 * H * H + S * (2 * E3 + 2 * N * H + 4 * ctx * H))
+    if family == "eagle1":
+        V = c.vocab_size
+        target = 2 * L * E + 4 * L * ctx * H + 2 * V * H
+        return target + 3 * (2 * 2 * H * H + 2 * E + 4 * ctx * H) + 4 * V * H
+    return None
 
 
 def text_data(path: Path, n_files: int, chars: int) -> Path:
@@ -78,7 +111,20 @@ def one_configuration(config: dict) -> dict:
     from specdraft.features import cache_features
     from specdraft.train import train
 
+    from specdraft import train as loop
+    from specdraft.recipe_target import resolve_target_path
+    from specdraft.target import load_target_config
+
     torch.set_num_threads(config["threads"])
+    shapes = set()
+    forward = loop.TrainStep.forward
+
+    def counted_forward(self, batch, step, split="train"):
+        if split == "train":
+            shapes.add(tuple(batch["input_ids"].shape))
+        return forward(self, batch, step, split)
+
+    loop.TrainStep.forward = counted_forward
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if config["data"]:
@@ -97,10 +143,19 @@ def one_configuration(config: dict) -> dict:
             started = time.perf_counter()
             cache_features(load_recipe(config["recipe"], overrides), show_progress=False)
             cache_seconds = time.perf_counter() - started
-        run_dir = train(load_recipe(config["recipe"], overrides), show_progress=False)
+        recipe = load_recipe(config["recipe"], overrides)
+        run_dir = train(recipe, show_progress=False)
         logs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     warm = [entry for entry in logs if "train/tokens_per_s" in entry][-1]
+    target_config = load_target_config(resolve_target_path(recipe.target.path, recipe.target.dtype))
+    row = max(width for _, width in shapes)
+    flops = flops_per_token(config["family"], target_config, recipe.drafter, row)
+    peak = None
+    if torch.cuda.is_available():
+        peak = next((value for name, value in PEAK_BF16.items() if name in torch.cuda.get_device_name()), None)
     return {"tokens_per_s": warm["train/tokens_per_s"], "target_fraction": warm["train/target_fraction"],
+            "shapes": len(shapes), "mfu": warm["train/tokens_per_s"] * flops / peak if flops and peak else None,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "peak_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "cache_features_seconds": cache_seconds}
@@ -114,6 +169,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="default: 40 on the toy, 12 on SmolLM2")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per step (default: 8 toy, 4 SmolLM2)")
     parser.add_argument("--max-length", type=int, default=None, help="tokens per row (default: 256 toy, 512 SmolLM2)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
     parser.add_argument("--data", default=None, help="chat answers (messages JSONL) instead of plain text")
@@ -150,6 +206,8 @@ def main() -> int:
                     print(f"{family} {mode} ({name}, run {repeat + 1}): {steps} steps ...", flush=True)
                     path = [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
                     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+                    if args.device == "cpu":
+                        env["ACCELERATE_USE_CPU"] = "1"
                     child = {**config, "overrides": config["overrides"] + added}
                     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(child)], check=False,
                                           capture_output=True, text=True, env=env)
@@ -159,26 +217,28 @@ def main() -> int:
                         return 1
                     runs[name].append(json.loads(result[-1][len("RESULT "):]))
             for name, results in runs.items():
-                median = {key: statistics.median(r[key] for r in results) if results[0][key] is not None else None
-                          for key in results[0]}
+                median = {key: statistics.median(r[key] for r in results) if isinstance(results[0][key], (int, float))
+                          else results[0][key] for key in results[0]}
                 rows.append({**config, **median, "tree": name})
 
-    print(f"\n## bench_train: {args.target}, torch {torch.__version__}, {args.threads} thread(s), "
+    print(f"\n## bench_train: {args.target} on {rows[0]['device']}, torch {torch.__version__}, "
+          f"{args.threads} thread(s), "
           f"micro-batch {micro_batch} x {max_length} tokens, {steps} steps (figures of the warm second half)"
           + (f", overrides {' '.join(args.set)}" if args.set else "")
           + (f", chat answers {args.data}" if args.data else ", plain text")
           + (f", median of {args.repeats} alternated runs" if args.repeats > 1 else ""))
     print(f"`python eval/bench_train.py {' '.join(sys.argv[1:])}`\n")
     print("| drafter | code | mode | training tokens/s | target forward share of a step | step / target forward "
-          "| peak RSS GiB | peak GPU GiB | cache-features s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "| MFU | shapes | peak RSS GiB | peak GPU GiB | cache-features s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         share = row["target_fraction"]
         ratio = f"{1 / share:.2f}x" if share > 0 else "- (no target forward)"
         cache = f"{row['cache_features_seconds']:.0f}" if row["cache_features_seconds"] is not None else "-"
         gpu = f"{row['peak_cuda_gib']:.2f}" if row["peak_cuda_gib"] is not None else "-"
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
         print(f"| {row['family']} | {row['tree']} | {row['mode']} | {row['tokens_per_s']:.0f} | {share:.1%} | {ratio} "
-              f"| {row['peak_rss_gib']:.2f} | {gpu} | {cache} |")
+              f"| {mfu} | {row['shapes']} | {row['peak_rss_gib']:.2f} | {gpu} | {cache} |")
     return 0
 
 
