@@ -7,6 +7,9 @@
         --data WORK/data/answers.jsonl --baseline-tree /tmp/old --repeats 2     # chat answers; old code vs this
     python eval/bench_train.py --target smollm2-135m-instruct --families eagle3 --modes online \
         --set data.packing=true --set data.tokens_per_micro_batch=2048 --compare training.compile=true  # compiled
+    python eval/bench_train.py --device cuda --target llama3.1-8b-random --families eagle3 --modes online \
+        --max-length 2048 --set data.packing=true --set data.tokens_per_micro_batch=16384 \
+        --set training.mixed_precision=bf16 --compare training.compile=true      # Llama-3.1-8B's shapes, no download
 
 Each configuration runs the real ``specdraft train`` path with recipes/<target>-<family>.yaml, in a
 fresh process so that its peak memory is its own, on the same plain-text chunks of the standard
@@ -50,7 +53,38 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m-", "toy": "toy_"}
+RECIPE_PREFIX = {"smollm2-135m-instruct": "smollm2-135m-", "toy": "toy_", "llama3.1-8b-random": "llama3.1-8b-",
+                 "llama3.1-8b-random-tiny": "llama3.1-8b-"}
+# Llama-3.1-8B's config (meta-llama/Llama-3.1-8B-Instruct, config.json), for a target of random bf16 weights: a
+# step's time does not depend on the weights. "-tiny" keeps the vocabulary and the RoPE and shrinks the rest, for
+# a CPU; both tokenize with the toy target's tokenizer (its ids are all within the vocabulary).
+LLAMA31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 128000,
+              "eos_token_id": [128001, 128008, 128009],
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}
+
+
+def random_llama_target(folder: Path, tiny: bool) -> Path:
+    """A Llama-3.1-8B-shaped target folder with random bf16 weights (N(0, 0.02), norms at 1) and the toy's
+    tokenizer, built on the GPU when there is one."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from specdraft.toy_target import toy_target_path
+
+    config = LlamaConfig(**{**LLAMA31_8B, **(TINY if tiny else {})}, torch_dtype="bfloat16")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cuda" if torch.cuda.is_available() else "cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.fill_(1.0) if "norm" in name else parameter.normal_(0.0, 0.02)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(toy_target_path()).save_pretrained(folder)
+    return folder
 # Dense bf16 peaks (FLOP/s), by a name torch.cuda.get_device_name() contains: the vendors' datasheets (SXM parts).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 
@@ -127,6 +161,11 @@ def one_configuration(config: dict) -> dict:
     loop.TrainStep.forward = counted_forward
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        target = []
+        if config["target"].startswith("llama3.1-8b-random"):
+            folder = random_llama_target(tmp / "target", tiny=config["target"].endswith("-tiny"))
+            target = [f"target.path={folder}", "data.eval_fraction=0.02", "tracking.trackers=[none]",
+                      "training.epochs=null"]  # the 8B recipes train for epochs; the bench, for --steps
         if config["data"]:
             data_overrides = [f"data.path={config['data']}", "data.format=messages", "data.eval_fraction=0"]
         else:
@@ -136,7 +175,7 @@ def one_configuration(config: dict) -> dict:
             f"training.max_steps={config['steps']}", f"training.micro_batch_size={config['micro_batch']}",
             "training.grad_accumulation=1", f"training.log_every={config['steps'] // 2}", "training.eval_every=0",
             f"checkpoint.save_every={config['steps']}", f"checkpoint.output_dir={tmp / 'run'}", "eval.enabled=false",
-        ] + config["overrides"]
+        ] + target + config["overrides"]
         cache_seconds = None
         if config["mode"] == "offline":
             overrides.append(f"training.feature_cache={tmp / 'features'}")
@@ -146,8 +185,8 @@ def one_configuration(config: dict) -> dict:
         recipe = load_recipe(config["recipe"], overrides)
         run_dir = train(recipe, show_progress=False)
         logs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        target_config = load_target_config(resolve_target_path(recipe.target.path, recipe.target.dtype))
     warm = [entry for entry in logs if "train/tokens_per_s" in entry][-1]
-    target_config = load_target_config(resolve_target_path(recipe.target.path, recipe.target.dtype))
     row = max(width for _, width in shapes)
     flops = flops_per_token(config["family"], target_config, recipe.drafter, row)
     peak = None
@@ -185,7 +224,7 @@ def main() -> int:
         print("RESULT " + json.dumps(one_configuration(json.loads(args.child))))
         return 0
 
-    small = args.target == "toy"
+    small = args.target in ("toy", "llama3.1-8b-random-tiny")
     steps = args.steps or (40 if small else 12)
     micro_batch, max_length = args.micro_batch or (8 if small else 4), args.max_length or (256 if small else 512)
     trees = {"baseline": args.baseline_tree.resolve(), "this tree": REPO} if args.baseline_tree else {"this tree": REPO}
@@ -198,6 +237,7 @@ def main() -> int:
         recipe = REPO / "recipes" / f"{RECIPE_PREFIX[args.target]}{family}.yaml"
         for mode in args.modes:
             config = {"family": family, "mode": mode, "recipe": str(recipe), "steps": steps, "threads": args.threads,
+                      "target": args.target,
                       "micro_batch": micro_batch, "max_length": max_length, "overrides": args.set,
                       "data": str(Path(args.data).resolve()) if args.data else None}
             runs = {name: [] for name, _, _ in variants}

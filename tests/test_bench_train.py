@@ -50,3 +50,16 @@ def test_flops_per_token_follow_the_docstrings_formula():
     assert bench_train.flops_per_token("medusa1", Config, Drafter, 2048) is None
     # 2 E L is the Llama-3.1-8B layers' 6.98B matmul weights, twice: the count sees the right model
     assert L * E == pytest.approx(6.98e9, rel=0.01)
+
+
+def test_a_llama_3_1_8b_shaped_target_of_random_weights_trains_without_a_download():
+    """The 8B recipe on a target built from Llama-3.1-8B's config (shrunk but for its vocabulary and RoPE, for a
+    CPU), random bf16 weights and the toy's tokenizer: what `--target llama3.1-8b-random` runs on a GPU."""
+    out = subprocess.run([sys.executable, str(REPO / "eval" / "bench_train.py"), "--target", "llama3.1-8b-random-tiny",
+                          "--families", "eagle3", "--modes", "online", "--steps", "4", "--max-length", "64",
+                          "--device", "cpu", "--set", "data.packing=true", "--set", "data.tokens_per_micro_batch=128"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("| eagle3")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert float(cells[3]) > 0 and cells[7] == "1", row
