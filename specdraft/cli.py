@@ -8,6 +8,7 @@ every command with the shell's code for them (130, 143); training inside one sto
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import signal
 import sys
@@ -65,6 +66,12 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+# Errors a filesystem gives for a write or a rename that the user, not specdraft, must fix: a device error, a
+# read-only mount, a folder they may not write. Printed in one line, as a full disk is; any other error is a bug's,
+# and keeps its traceback.
+FILESYSTEM_REFUSALS = (errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
@@ -100,12 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (OSError, RuntimeError) as e:  # a write that found no room, wherever it was: the user's to fix
         reason = disk_full_reason(e)
-        if reason is None:
-            raise
-        where = f" writing {e.filename}" if isinstance(e, OSError) and e.filename else ""
-        print(f"specdraft {name}: error: {reason}{where}. Free space (or raise the limit), then run the command "
-              "again: what it finished is kept, and a run resumes with --resume.", file=sys.stderr)
-        return 1
+        where = f" at {e.filename}" if isinstance(e, OSError) and e.filename else ""
+        if reason is not None:
+            print(f"specdraft {name}: error: {reason}{where}. Free space (or raise the limit), then run the command "
+                  "again: what it finished is kept, and a run resumes with --resume.", file=sys.stderr)
+            return 1
+        if isinstance(e, OSError) and e.errno in FILESYSTEM_REFUSALS:  # the filesystem's fault, not a bug's
+            print(f"specdraft {name}: error: the filesystem refused{where}: {e.strerror} "
+                  f"({errno.errorcode[e.errno]}). Check the disk and the folder's permissions, then run the command "
+                  "again: what it finished is kept, and a run resumes with --resume.", file=sys.stderr)
+            return 1
+        raise
     except StoppedBySignal as stop:
         print(f"specdraft {name}: {stop}", file=sys.stderr)
         return stop.code

@@ -20,6 +20,7 @@ folder training actually loaded (``specdraft.target.resolve_target_path``), or `
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import shutil
 import tempfile
@@ -191,9 +192,13 @@ def writing_export(path: Path, need: int):
     except SpecdraftError:
         raise
     except Exception as e:  # safetensors reports a full disk as a SafetensorError, shutil as an OSError
-        full = f" ({disk_full_reason(e)})" if disk_full_reason(e) else ""
-        raise SpecdraftError(f"could not write the export {path}{full}: {getattr(e, 'strerror', None) or e}. It needs "
-                             f"about {describe_bytes(need)}; {kept}.") from e
+        reason = disk_full_reason(e)
+        if reason:
+            raise SpecdraftError(f"could not write the export {path} ({reason}): {getattr(e, 'strerror', None) or e}. "
+                                 f"It needs about {describe_bytes(need)}; {kept}.") from e
+        code = f" ({errno.errorcode[e.errno]})" if isinstance(e, OSError) and e.errno in errno.errorcode else ""
+        raise SpecdraftError(f"could not write the export {path}: {getattr(e, 'strerror', None) or e}{code}; "
+                             f"{kept}.") from e
 
 
 def _find_recipe(given: Path, drafter_dir: Path) -> dict:

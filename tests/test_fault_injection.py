@@ -7,6 +7,7 @@ it again (resuming where it can) finishes. A new command that writes joins WRITE
 ``test_every_command_that_writes_is_listed`` fails until it does.
 """
 
+import errno
 import json
 import os
 import random
@@ -140,6 +141,9 @@ def test_a_fault_loses_nothing_of_the_users_and_a_rerun_finishes(world, tmp_path
     if fault == "full-disk" and done.returncode != 0:  # a full disk is named as one, without a traceback
         assert "Traceback" not in done.stderr, done.stderr[-3000:]
         assert any(word in done.stderr for word in ("disk is full", "EFBIG", "File too large")), done.stderr[-3000:]
+    if fault == "failed-rename" and done.returncode != 0:  # the device's error, named in one line
+        assert "Traceback" not in done.stderr and "(EIO)" in done.stderr, done.stderr[-3000:]
+        assert "disk" not in done.stderr.split("(EIO)")[0], done.stderr[-3000:]  # not taken for a full disk
     again = rerun_as_told(argv, work)
     assert again.returncode == 0, f"{command} after {fault}: {again.stderr[-3000:]}"
     assert (work / writer.output).exists()
@@ -149,3 +153,25 @@ def test_a_fault_loses_nothing_of_the_users_and_a_rerun_finishes(world, tmp_path
 
 def test_every_command_that_writes_is_listed():
     assert set(COMMANDS) == set(WRITERS) | set(ELSEWHERE) | READ_ONLY
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.EROFS, errno.EACCES])
+def test_a_filesystem_that_refuses_a_write_is_named_in_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys,
+                                                                                                code):
+    from specdraft import cli, recipe_files
+
+    def refused(args):
+        raise OSError(code, os.strerror(code), "out/model.safetensors")
+
+    monkeypatch.setattr(recipe_files, "run", refused)
+    assert cli.main(["recipes"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the filesystem refused at out/model.safetensors" in err
+    assert f"({errno.errorcode[code]})" in err and "what it finished is kept" in err
+
+    def bug(args):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "a/path/specdraft/built/wrong")
+
+    monkeypatch.setattr(recipe_files, "run", bug)
+    with pytest.raises(FileNotFoundError):
+        cli.main(["recipes"])
