@@ -40,6 +40,15 @@ def chat(tmp_path_factory):
     return make_chat_data(tmp_path_factory.mktemp("shapes") / "chat.jsonl", n=24)
 
 
+def one_step(run, batch):
+    """The batch's shape, the step's loss and token count, and the gradients it leaves, from zeroed gradients."""
+    run.optimizer.zero_grad(set_to_none=True)
+    loss, _, tokens = run.step_module(batch, 0)
+    run.accelerator.backward(loss)
+    grads = {n: p.grad.clone() for n, p in run.step_module.named_parameters() if p.grad is not None}
+    return batch["input_ids"].shape, loss.detach(), int(tokens), grads
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_padding_of_a_bucketed_batch_changes_no_loss_and_no_gradient(family, chat, tmp_path):
     recipe = load_recipe(f"toy_{family}", [f"data.path={chat}", f"checkpoint.output_dir={tmp_path / 'run'}",
@@ -51,11 +60,7 @@ def test_the_padding_of_a_bucketed_batch_changes_no_loss_and_no_gradient(family,
     seen = {}
     for name, shapes in (("dynamic", {}), ("buckets", {"rows": 4, "widths": bucket_widths(recipe.data.max_length)})):
         batch = Collator(pad, recipe.data.max_length, recipe.data.packing, **shapes)([dict(s) for s in samples])
-        run.optimizer.zero_grad(set_to_none=True)
-        loss, _, tokens = run.step_module(batch, 0)
-        run.accelerator.backward(loss)
-        grads = {n: p.grad.clone() for n, p in run.step_module.named_parameters() if p.grad is not None}
-        seen[name] = (batch["input_ids"].shape, loss.detach(), int(tokens), grads)
+        seen[name] = one_step(run, batch)
     (shape, loss, tokens, grads), (fixed_shape, fixed_loss, fixed_tokens, fixed_grads) = seen["dynamic"], seen["buckets"]
     assert fixed_shape[0] == 4 and fixed_shape[1] in bucket_widths(recipe.data.max_length) and fixed_shape != shape
     assert fixed_tokens == tokens
@@ -122,12 +127,7 @@ def test_a_token_budget_batch_gives_the_unpacked_samples_loss_and_gradients(fami
     seen = {}
     for name, collate in (("unpacked", Collator(pad, 256)),
                           ("budget", Collator(pad, 256, True, **loop.batch_shapes(recipe, torch.device("cpu"))))):
-        batch = collate([dict(s) for s in samples])
-        run.optimizer.zero_grad(set_to_none=True)
-        loss, _, tokens = run.step_module(batch, 0)
-        run.accelerator.backward(loss)
-        grads = {n: p.grad.clone() for n, p in run.step_module.named_parameters() if p.grad is not None}
-        seen[name] = (batch["input_ids"].shape, loss.detach(), int(tokens), grads)
+        seen[name] = one_step(run, collate([dict(s) for s in samples]))
     (_, loss, tokens, grads), (shape, budget_loss, budget_tokens, budget_grads) = seen["unpacked"], seen["budget"]
     assert shape == (2, 256) and budget_tokens == tokens
     torch.testing.assert_close(budget_loss, loss, rtol=1e-5, atol=1e-6)
