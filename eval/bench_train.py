@@ -261,9 +261,12 @@ def main() -> int:
                           else results[0][key] for key in results[0]}
                 rows.append({**config, **median, "tree": name})
 
+    budget = [int(o.split("=", 1)[1]) for o in args.set if o.startswith("data.tokens_per_micro_batch=")]
+    batch_shape = (f"{budget[-1] // max_length} packed rows x {max_length} tokens (a token budget)" if budget
+                   else f"micro-batch {micro_batch} x {max_length} tokens")
     print(f"\n## bench_train: {args.target} on {rows[0]['device']}, torch {torch.__version__}, "
           f"{args.threads} thread(s), "
-          f"micro-batch {micro_batch} x {max_length} tokens, {steps} steps (figures of the warm second half)"
+          f"{batch_shape}, {steps} steps (figures of the warm second half)"
           + (f", overrides {' '.join(args.set)}" if args.set else "")
           + (f", chat answers {args.data}" if args.data else ", plain text")
           + (f", median of {args.repeats} alternated runs" if args.repeats > 1 else ""))

@@ -105,6 +105,22 @@ def test_two_process_resume_after_kill_9_restores_every_process_rng(ddp_killed_r
     ddp_killed_run.check_resume("resumed")
 
 
+def ddp_token_budget_runs(folder: Path) -> KilledRun:
+    """``ddp_runs`` with batches filled to a token budget: accelerate shards batches of varying sample counts
+    between the two processes, and the resume must hand each process the same ones again."""
+    runs = ddp_runs(folder)
+    runs.recipe["data"].update(packing=True, tokens_per_micro_batch=320)
+    return runs
+
+
+def test_two_processes_at_a_token_budget_resume_exactly_after_kill_9(tmp_path_factory):
+    runs = built_killed_run(tmp_path_factory, "ddp-kill-9-token-budget", ddp_token_budget_runs)
+    state = json.loads((checkpoint_dirs(runs.killed)[-1] / "trainer_state.json").read_text())
+    assert state["world_size"] == 2, "accelerate ran one process: the test would prove nothing"
+    assert state["run"]["epoch"] >= 1, state["run"]  # the resume starts in a later epoch's order
+    runs.check_resume("resumed")
+
+
 def test_two_processes_step_the_schedule_once_per_optimizer_step(ddp_killed_run):
     # accelerate's scheduler wrapper would step once per process: two processes, twice as fast.
     assert_logged_lr_schedule(ddp_killed_run.straight, DDP_LR, DDP_WARMUP, DDP_STEPS, DDP_FLOOR)
