@@ -18,6 +18,8 @@ is one module of ``specdraft/drafters/`` that fills them in, and one line in its
                                                (FolderExporter: a format that is a whole folder)
     Family.eval_report, .check_recipe                        optional: a family's own end-of-training
                                                              figures, and checks across a recipe's sections
+    Family.static_loss                                       optional: its loss at fixed shapes, which
+                                                             training.compile compiles
 
 A family declares what it needs from the target (``TargetNeeds``: which logits — none, full, only its
 draft vocabulary's rows, or the last position — the final hidden state, which layers to tap, and whether
@@ -420,4 +422,3 @@ class Family:
     # None: the family does not compile, and ``compile_refusal`` says why.
     static_loss: Callable[[Any], Callable[..., LossOutput]] | None = None
     compile_refusal: str = ""
-
