@@ -281,7 +281,7 @@ def main() -> int:
         gpu = f"{row['peak_cuda_gib']:.2f}" if row["peak_cuda_gib"] is not None else "-"
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
         print(f"| {row['family']} | {row['tree']} | {row['mode']} | {row['tokens_per_s']:.0f} | {share:.1%} | {ratio} "
-              f"| {mfu} | {row['shapes']} | {row['peak_rss_gib']:.2f} | {gpu} | {cache} |")
+              f"| {mfu} | {row['shapes']:.0f} | {row['peak_rss_gib']:.2f} | {gpu} | {cache} |")
     return 0
 
 
