@@ -236,13 +236,13 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     if recipe.target.gradient_checkpointing:
         target.checkpoint_activations()
     caches = open_feature_caches(recipe, target, needs)
-    collate = Collator(pad_token_id_of(target.tokenizer), recipe.data.max_length, recipe.data.packing,
-                       **batch_shapes(recipe, accelerator.device))
+    shapes = batch_shapes(recipe, accelerator.device)
+    collate = Collator(pad_token_id_of(target.tokenizer), recipe.data.max_length, recipe.data.packing, **shapes)
     if caches is not None:  # offline mode: batches carry sample indices to find their cached features
         train_ds = train_ds.add_column("sample_index", list(range(len(train_ds))))
         eval_ds = eval_ds.add_column("sample_index", list(range(len(eval_ds))))
         collate = with_sample_index(collate)
-    loader, eval_loader = data_loaders(recipe, train_ds, eval_ds, collate)
+    loader, eval_loader = data_loaders(recipe, train_ds, eval_ds, collate, shapes.get("rows"))
 
     # The data first: the run's length is known once the loader is sharded across the processes, and the
     # drafter configures its optimisation for that length (nanoGPT's configure_optimizers).
@@ -252,12 +252,12 @@ def build_run(recipe: Recipe, resume: bool, overwrite: bool, needs: TargetNeeds)
     optimization = drafter.configure_optimizers(recipe, total_steps)
     o = recipe.optimizer
     optimizer = torch.optim.AdamW(optimization.param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    step_module = TrainStep(drafter, target, caches, compiled_loss(recipe, family, drafter, accelerator.device))
+    step_module = TrainStep(drafter, target, caches, compiled_loss(recipe, family, drafter, fixed_shapes=bool(shapes)))
     step_module.total_steps = total_steps
     check_target_stays_whole(accelerator, step_module, target)
     if optimization.unused_parameters:
         look_for_unused_parameters(accelerator)
-    fill_deepspeed_micro_batch(accelerator, batch_shapes(recipe, accelerator.device).get("rows", tcfg.micro_batch_size))
+    fill_deepspeed_micro_batch(accelerator, shapes.get("rows", tcfg.micro_batch_size))
     step_module, optimizer = accelerator.prepare(step_module, optimizer)
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper steps it
     # once per process, which would make N processes follow a different schedule than one.
@@ -536,27 +536,26 @@ def write_final_drafter(run: Run) -> None:
         ) from e
 
 
-def compiled_loss(recipe: Recipe, family, drafter: Drafter, device: torch.device):
+def compiled_loss(recipe: Recipe, family, drafter: Drafter, fixed_shapes: bool):
     """``training.compile``: the family's fixed-shape loss, torch.compiled whole (``fullgraph``: a graph break, a
     host read inside the loss, is an error, not a slow step) for the run's few batch shapes; else None."""
     if not recipe.training.compile:
         return None
-    if not batch_shapes(recipe, device):
+    if not fixed_shapes:
         raise SpecdraftError("training.compile needs fixed batch shapes, or it compiles again at every new one: set "
                              "data.tokens_per_micro_batch (one shape) or data.shapes: buckets (four)")
     return torch.compile(family.static_loss(drafter), dynamic=False, fullgraph=True)
 
 
-def data_loaders(recipe: Recipe, train_ds, eval_ds, collate) -> tuple:
+def data_loaders(recipe: Recipe, train_ds, eval_ds, collate, rows: int | None) -> tuple:
     """The train loader (shuffled by ``training.seed``, epoch by epoch) and the held-out one: batches of
-    ``training.micro_batch_size`` samples, or with ``data.tokens_per_micro_batch`` as many as its rows hold."""
+    ``training.micro_batch_size`` samples, or with ``data.tokens_per_micro_batch`` as many as its ``rows`` hold."""
     tcfg, data = recipe.training, recipe.data
     if data.tokens_per_micro_batch is None:
         loader = torch.utils.data.DataLoader(train_ds, batch_size=tcfg.micro_batch_size, shuffle=True,
                                              collate_fn=collate, num_workers=tcfg.num_workers,
                                              generator=torch.Generator().manual_seed(tcfg.seed))
         return loader, torch.utils.data.DataLoader(eval_ds, batch_size=tcfg.micro_batch_size, collate_fn=collate)
-    rows = data.tokens_per_micro_batch // data.max_length
 
     def batches(dataset, shuffle):
         lengths = [len(ids) for ids in dataset["input_ids"]]

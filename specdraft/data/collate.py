@@ -36,12 +36,17 @@ def bucket_widths(max_length: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, max_length // d) for d in (8, 4, 2)} | {max_length}))
 
 
+def first_fit(room: list[int], n: int) -> int | None:
+    """The first row with ``n`` tokens free (``room``: each row's free tokens), or None."""
+    return next((r for r, free in enumerate(room) if free >= n), None)
+
+
 def pack(lengths: list[int], max_length: int) -> list[list[int]]:
     """First-fit: sample indices grouped into rows whose lengths sum to at most ``max_length``."""
     rows: list[list[int]] = []
     room: list[int] = []  # free tokens left in each row
     for i, n in enumerate(lengths):
-        row = next((r for r, free in enumerate(room) if free >= n), None)
+        row = first_fit(room, n)
         if row is None:
             rows.append([])
             room.append(max_length)
@@ -90,7 +95,7 @@ class TokenBudgetBatches(torch.utils.data.Sampler):
         room = [self.max_length] * self.rows
         for i in self.sampler:
             n = self.lengths[i]
-            row = next((r for r, free in enumerate(room) if free >= n), None)
+            row = first_fit(room, n)  # as pack() places it: the Collator's rows are these
             if row is None:  # full: this sample opens the next batch
                 yield batch
                 batch, room, row = [], [self.max_length] * self.rows, 0
